@@ -1,0 +1,116 @@
+"""`DeltaCallback`: decides *when* a Lightning run publishes; `DeltaPublisher` does the rest."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from .codec import CodecOptions
+from .errors import UnsupportedStrategyError
+from .publisher import Backlog, DeltaPublisher
+from .shards import named_tensors
+
+__all__ = ["DeltaCallback"]
+
+
+class DeltaCallback(Callback):
+    """Publish the trained weights as a delta chain after every optimizer step.
+
+    The snapshot's step is `trainer.global_step`, so gradient accumulation and manual
+    optimization publish once per optimizer step (once per batch when a batch steps several
+    optimizers).  Every rank publishes its own shard; nothing waits on the network.
+
+    Args:
+        store: fsspec URL of the chain (a local directory works).
+        base_every: a full base every this many steps, deltas in between.
+        dtype: the 16-bit dtype that is shipped.
+        submodule: publish `pl_module.<submodule>` (dotted path) instead of the whole
+            LightningModule, so names match a bare model on the rollout side.
+        storage_options: passed to fsspec (endpoint, credentials, retries).
+        codec: compressor and level of the payloads.
+        backlog: what to do when `max_pending` snapshots are waiting for upload.
+    """
+
+    def __init__(
+        self,
+        store: str,
+        base_every: int = 25,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        submodule: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        codec: CodecOptions | None = None,
+        backlog: Backlog = Backlog.BLOCK,
+        max_pending: int = 2,
+    ) -> None:
+        if not store:
+            raise ValueError("store must be a URL or a local path")
+        if base_every < 1:
+            raise ValueError(f"base_every must be >= 1, got {base_every}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.store, self.base_every, self.dtype, self.submodule = store, base_every, dtype, submodule
+        self.storage_options = dict(storage_options or {})
+        self.codec, self.backlog, self.max_pending = codec, Backlog(backlog), max_pending
+        self.publisher: DeltaPublisher | None = None
+        self._run_id: str | None = None
+        self._last_step = 0
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(store=self.store, submodule=self.submodule)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise UnsupportedStrategyError(
+                "DeltaCallback cannot read FSDPStrategy's flat parameters through public torch APIs; "
+                "use ModelParallelStrategy with torch.distributed.fsdp.fully_shard (FSDP2) in "
+                "configure_model instead"
+            )
+        self._run_id = trainer.strategy.broadcast(uuid.uuid4().hex)  # the only collective
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        step = trainer.global_step
+        if step <= self._last_step:  # no optimizer step in this batch (gradient accumulation)
+            return
+        if self.publisher is None:
+            module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
+            self.publisher = DeltaPublisher(
+                self.store,
+                lambda: named_tensors(module),
+                base_every=self.base_every,
+                dtype=self.dtype,
+                storage_options=self.storage_options,
+                codec_options=self.codec,
+                max_pending=self.max_pending,
+                backlog=self.backlog,
+                run_id=self._run_id,
+            )
+            rank_zero_info(f"DeltaCallback: publishing to {self.store} (base every {self.base_every} steps)")
+        self.publisher.publish(step)
+        self._last_step = step
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            publisher.close()  # flushes pending uploads and raises their errors

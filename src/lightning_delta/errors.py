@@ -1,0 +1,50 @@
+"""Every error the library raises on purpose; catch `DeltaError` to catch them all.
+
+Errors about stored bytes subclass `ValueError`, lookups subclass `LookupError`, so code
+that already handles the builtins keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChainError",
+    "ChecksumError",
+    "DeltaError",
+    "FormatError",
+    "ModelMismatchError",
+    "PublishError",
+    "SnapshotNotFoundError",
+    "UnsupportedStrategyError",
+]
+
+
+class DeltaError(Exception):
+    """Base class of all lightning_delta errors."""
+
+
+class FormatError(DeltaError, ValueError):
+    """A stored object is malformed, truncated, of another version, or not ours at all."""
+
+
+class ChecksumError(DeltaError, ValueError):
+    """Bytes or reconstructed values do not match the checksum recorded by the trainer."""
+
+
+class ChainError(DeltaError):
+    """A delta's link to its predecessor is missing or points at a different snapshot."""
+
+
+class SnapshotNotFoundError(DeltaError, LookupError):
+    """The requested step is not (or not completely) published."""
+
+
+class ModelMismatchError(DeltaError, ValueError):
+    """A snapshot cannot be applied: the module's tensor names or shapes differ."""
+
+
+class UnsupportedStrategyError(DeltaError, TypeError):
+    """The parameters are laid out in a way the publisher cannot read through public APIs."""
+
+
+class PublishError(DeltaError, RuntimeError):
+    """A background upload failed; raised on the trainer's next publish or at close."""

@@ -1,0 +1,260 @@
+"""The wire format of one rank's part of a snapshot, and where it lives in a store.
+
+A part is two objects (docs/FORMAT.md has the byte-level rules):
+
+* the blob `steps/<step:012d>/rank-<r:05d>-of-<w:05d>.ldelta`:
+  8-byte magic, u64 little-endian header length, a UTF-8 JSON header, then the tensor payloads
+  back to back, exactly as the header's offsets say (no holes, nothing after);
+* the commit marker `<same name>.commit`: JSON with the blob's size and SHA-256, written only
+  after the blob, so its presence means the part is complete.
+
+Parsing is strict: unknown or missing keys, wrong types and out-of-range numbers are all
+`FormatError`, because a reader must refuse foreign objects rather than guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .checksum import parse_checksum
+from .errors import ChecksumError, FormatError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "PART_FORMAT",
+    "Kind",
+    "PartHeader",
+    "TensorEntry",
+    "blob_path",
+    "commit_path",
+    "decode_blob",
+    "decode_commit",
+    "encode_blob",
+    "encode_commit",
+    "parse_part_name",
+    "step_dir",
+    "verify_blob",
+]
+
+MAGIC = b"LDELTA\x00\x01"
+PART_FORMAT = "lightning_delta/1"
+COMMIT_FORMAT = "lightning_delta.commit/1"
+MAX_HEADER_BYTES = 256 << 20
+"""A header past this is refused before it is read: ~1M tensors a rank is far beyond real models."""
+
+_PREFIX = struct.Struct("<8sQ")
+_PART_NAME = re.compile(r"rank-(\d{5})-of-(\d{5})\.ldelta\.commit")
+DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Kind(str, Enum):
+    BASE = "base"  # every element stored; starts a chain
+    DELTA = "delta"  # changes against the same rank's part at `prev_step`
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One rank's slice of one tensor: a range of its row-major flattened elements."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    offset: int  # payload offset, relative to the end of the header
+    length: int  # payload length in bytes
+    checksum: str  # `checksum.checksum` of the slice's reconstructed bits, 16 hex digits
+    changed: int  # elements changed since the previous part (all of them in a base)
+
+
+@dataclass(frozen=True)
+class PartHeader:
+    """Everything a reader needs to place, link and verify one rank's part."""
+
+    snapshot_id: str
+    prev_snapshot_id: str | None
+    step: int
+    prev_step: int | None
+    kind: Kind
+    rank: int
+    world_size: int
+    created: float  # unix seconds, informational
+    tensors: tuple[TensorEntry, ...] = field(default=())
+    format: str = PART_FORMAT
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.length for t in self.tensors)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def step_dir(step: int) -> str:
+    return f"steps/{step:012d}"
+
+
+def blob_path(step: int, rank: int, world_size: int) -> str:
+    return f"{step_dir(step)}/rank-{rank:05d}-of-{world_size:05d}.ldelta"
+
+
+def commit_path(step: int, rank: int, world_size: int) -> str:
+    return blob_path(step, rank, world_size) + ".commit"
+
+
+def parse_part_name(name: str) -> tuple[int, int] | None:
+    """(rank, world_size) of a commit marker's base name, None for anything else."""
+    match = _PART_NAME.fullmatch(name)
+    if not match:
+        return None
+    rank, world = int(match[1]), int(match[2])
+    return (rank, world) if 0 <= rank < world else None
+
+
+# ----------------------------------------------------------------------------- blob
+
+
+def encode_blob(header: PartHeader, payloads: list[bytes]) -> bytes:
+    """Header JSON plus payloads; the header's offsets and lengths must describe `payloads`."""
+    text = json.dumps(_to_json(header), separators=(",", ":"), sort_keys=True).encode()
+    return b"".join([_PREFIX.pack(MAGIC, len(text)), text, *payloads])
+
+
+def decode_blob(blob: bytes) -> tuple[PartHeader, memoryview]:
+    """Validate a blob and return its header and payload area."""
+    view = memoryview(blob)
+    if len(view) < _PREFIX.size:
+        raise FormatError(f"part object truncated: {len(view)} bytes")
+    magic, size = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise FormatError(f"not a lightning_delta part object (magic {bytes(magic)!r})")
+    if size > MAX_HEADER_BYTES or _PREFIX.size + size > len(view):
+        raise FormatError(f"part header of {size} bytes does not fit the {len(view)}-byte object")
+    try:
+        raw = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + size]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"part header is not valid JSON: {err}") from None
+    header = _from_json(raw)
+    payload = view[_PREFIX.size + size :]
+    end = 0
+    for entry in header.tensors:
+        if entry.offset != end:
+            raise FormatError(f"payload of {entry.name!r} starts at {entry.offset}, expected {end}")
+        end += entry.length
+    if end != len(payload):
+        raise FormatError(f"part payload area is {len(payload)} bytes, its header describes {end}")
+    return header, payload
+
+
+# ----------------------------------------------------------------------------- commit
+
+
+def encode_commit(blob: bytes) -> bytes:
+    digest = hashlib.sha256(blob).hexdigest()
+    return json.dumps({"format": COMMIT_FORMAT, "sha256": digest, "size": len(blob)}).encode()
+
+
+def decode_commit(marker: bytes) -> tuple[int, str]:
+    """(blob size, blob SHA-256 hex) from a commit marker."""
+    try:
+        raw = json.loads(marker)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"commit marker is not valid JSON: {err}") from None
+    if not isinstance(raw, dict) or set(raw) != {"format", "sha256", "size"}:
+        raise FormatError("commit marker must hold exactly format, sha256 and size")
+    if raw["format"] != COMMIT_FORMAT:
+        raise FormatError(f"commit marker format {raw['format']!r}, expected {COMMIT_FORMAT!r}")
+    size, digest = raw["size"], raw["sha256"]
+    if not _is_count(size) or not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise FormatError("commit marker has a malformed size or sha256")
+    return size, digest
+
+
+def verify_blob(blob: bytes, size: int, digest: str, where: str) -> None:
+    """Check a blob against its commit marker."""
+    if len(blob) != size:
+        raise FormatError(f"{where}: object is {len(blob)} bytes, its commit says {size} (truncated?)")
+    if hashlib.sha256(blob).hexdigest() != digest:
+        raise ChecksumError(f"{where}: SHA-256 of the object does not match its commit marker")
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def _to_json(header: PartHeader) -> dict[str, Any]:
+    out = asdict(header)
+    out["kind"] = header.kind.value
+    return out
+
+
+_HEADER_KEYS = {f for f in PartHeader.__dataclass_fields__}
+_ENTRY_KEYS = {f for f in TensorEntry.__dataclass_fields__}
+
+
+def _from_json(raw: Any) -> PartHeader:
+    if not isinstance(raw, dict) or set(raw) != _HEADER_KEYS:
+        raise FormatError(f"part header keys differ from {sorted(_HEADER_KEYS)}")
+    if raw["format"] != PART_FORMAT:
+        raise FormatError(f"part format {raw['format']!r}; this reader understands {PART_FORMAT!r}")
+    try:
+        kind = Kind(raw["kind"])
+    except ValueError:
+        raise FormatError(f"unknown part kind {raw['kind']!r}") from None
+    checks = {
+        "snapshot_id": isinstance(raw["snapshot_id"], str),
+        "step": _is_count(raw["step"]),
+        "rank": _is_count(raw["rank"]),
+        "world_size": _is_count(raw["world_size"]) and raw["world_size"] > raw["rank"],
+        "created": isinstance(raw["created"], (int, float)) and math.isfinite(raw["created"]),
+        "tensors": isinstance(raw["tensors"], list),
+    }
+    if kind == Kind.BASE:
+        checks["prev"] = raw["prev_step"] is None and raw["prev_snapshot_id"] is None
+    else:
+        checks["prev"] = (
+            _is_count(raw["prev_step"])
+            and raw["prev_step"] < raw["step"]
+            and isinstance(raw["prev_snapshot_id"], str)
+        )
+    bad = [key for key, ok in checks.items() if not ok]
+    if bad:
+        raise FormatError(f"part header has malformed fields: {', '.join(bad)}")
+    tensors = tuple(_entry_from_json(e) for e in raw["tensors"])
+    return PartHeader(**{**raw, "kind": kind, "tensors": tensors})
+
+
+def _entry_from_json(raw: Any) -> TensorEntry:
+    if not isinstance(raw, dict) or set(raw) != _ENTRY_KEYS:
+        raise FormatError(f"tensor entry keys differ from {sorted(_ENTRY_KEYS)}")
+    shape = raw["shape"]
+    ok = (
+        isinstance(raw["name"], str)
+        and raw["dtype"] in DTYPE_NAMES
+        and isinstance(shape, list)
+        and all(_is_count(d) for d in shape)
+        and all(_is_count(raw[k]) for k in ("start", "numel", "offset", "length", "changed"))
+        and raw["start"] + raw["numel"] <= math.prod(shape)
+        and raw["changed"] <= raw["numel"]
+        and isinstance(raw["checksum"], str)
+    )
+    if ok:
+        try:
+            parse_checksum(raw["checksum"])
+        except ValueError:
+            ok = False
+    if not ok:
+        raise FormatError(f"malformed tensor entry {raw.get('name')!r}")
+    return TensorEntry(**{**raw, "shape": tuple(shape)})
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,185 @@
+"""The rollout side: rebuild a published step bit for bit, verify it, and only then use it.
+
+For each rank of the step, the loader walks that rank's chain back to its base (or to the state
+it already holds), then decodes forward.  Every object is checked against its commit marker's
+SHA-256; every slice against the trainer's value checksum (incrementally for intermediate steps,
+in full for the step returned); every link against its predecessor's `snapshot_id`.  Any
+mismatch raises and leaves the loader's state, and any module, as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import codec
+from . import format as fmt
+from .checksum import checksum, checksum_update, parse_checksum
+from .errors import ChainError, ChecksumError, FormatError, ModelMismatchError, SnapshotNotFoundError
+from .shards import assemble, named_tensors
+from .store import Store, as_store
+
+__all__ = ["DeltaLoader"]
+
+
+@dataclass(frozen=True)
+class _Slice:
+    entry: fmt.TensorEntry
+    bits: Tensor  # reconstructed values, 1-D, entry's dtype
+    checksum: int
+
+
+@dataclass(frozen=True)
+class _RankState:
+    header: fmt.PartHeader
+    slices: dict[str, _Slice]
+
+
+class DeltaLoader:
+    """Read-only view of a published chain.
+
+    Args:
+        store: fsspec URL (a local path works) or a `Store`.
+        device: where reconstruction happens and where returned tensors live.
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.store = as_store(store, storage_options)
+        self.device = torch.device(device)
+        self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
+
+    def steps(self) -> list[int]:
+        """Steps whose every rank part is committed, ascending."""
+        return [s for s in self.store.published_steps() if self.store.complete_world_size(s)]
+
+    def state_dict(self, step: int | None = None) -> tuple[int, dict[str, Tensor]]:
+        """(step, full tensors by name) of a complete step, `None` for the latest one, verified."""
+        if step is None:
+            steps = self.steps()
+            if not steps:
+                raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
+            step = steps[-1]
+        world = self.store.complete_world_size(step)
+        if world is None:
+            raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
+        states = [self._rank_state(step, rank, world) for rank in range(world)]
+        ids = {s.header.snapshot_id for s in states}
+        if len(ids) != 1:
+            raise ChainError(f"step {step}: rank parts belong to different snapshots {sorted(ids)}")
+        tensors = _assemble(states)
+        for rank, state in enumerate(states):
+            self._states[(rank, world)] = state
+        return step, tensors
+
+    def apply_to(self, module: nn.Module, step: int | None = None) -> int:
+        """Copy a verified step into `module`'s parameters and buffers in place; returns the step.
+
+        Nothing is copied unless every name and shape matches.
+        """
+        step, tensors = self.state_dict(step)
+        targets = named_tensors(module)
+        missing, unexpected = sorted(targets.keys() - tensors), sorted(tensors.keys() - targets)
+        wrong = [n for n in targets.keys() & tensors if targets[n].shape != tensors[n].shape]
+        if missing or unexpected or wrong:
+            raise ModelMismatchError(
+                f"step {step} does not fit {type(module).__name__}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+            )
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(tensors[name])
+        return step
+
+    # ------------------------------------------------------------------ reconstruction
+
+    def _rank_state(self, step: int, rank: int, world: int) -> _RankState:
+        chain: list[tuple[fmt.PartHeader, memoryview]] = []
+        start: _RankState | None = None
+        at, wanted_id = step, None
+        while True:
+            held = self._states.get((rank, world))
+            if held and held.header.step == at and wanted_id in (None, held.header.snapshot_id):
+                start = held
+                break
+            try:
+                header, payload = self.store.read_part(at, rank, world)
+            except SnapshotNotFoundError:
+                if not chain:
+                    raise
+                raise ChainError(
+                    f"step {chain[-1][0].step} rank {rank} is a delta against step {at}, "
+                    "which is not in the store (deleted, or its upload never finished)"
+                ) from None
+            if wanted_id is not None and header.snapshot_id != wanted_id:
+                raise ChainError(
+                    f"step {chain[-1][0].step} rank {rank} expects predecessor {wanted_id}, "
+                    f"the store holds {header.snapshot_id} at step {at}"
+                )
+            chain.append((header, payload))
+            if header.kind == fmt.Kind.BASE:
+                break
+            at, wanted_id = header.prev_step, header.prev_snapshot_id
+        state = start
+        for i, (header, payload) in enumerate(reversed(chain)):
+            state = self._apply(state, header, payload, full_check=i == len(chain) - 1)
+        assert state is not None
+        return state
+
+    def _apply(
+        self, state: _RankState | None, header: fmt.PartHeader, payload: memoryview, full_check: bool
+    ) -> _RankState:
+        where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
+        if header.kind == fmt.Kind.DELTA:
+            assert state is not None
+            layout = {e.name: (e.dtype, e.shape, e.start, e.numel) for e in header.tensors}
+            held = {n: (s.entry.dtype, s.entry.shape, s.entry.start, s.entry.numel) for n, s in state.slices.items()}
+            if layout != held:
+                raise ChainError(f"{where}: its slices differ from those of its predecessor step {header.prev_step}")
+        slices = {}
+        for entry in header.tensors:
+            data = payload[entry.offset : entry.offset + entry.length]
+            old = state.slices[entry.name] if header.kind == fmt.Kind.DELTA and state else None
+            try:
+                decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel)
+            except FormatError as err:
+                raise FormatError(f"{where}: tensor {entry.name!r}: {err}") from None
+            new = decoded.new.to(self.device)
+            if new.dtype != fmt.DTYPE_NAMES[entry.dtype]:
+                raise FormatError(f"{where}: tensor {entry.name!r} payload is {new.dtype}, header says {entry.dtype}")
+            change = decoded.change
+            if change is not None and change.index.numel() != entry.changed:
+                raise FormatError(f"{where}: tensor {entry.name!r} changes {change.index.numel()} elements, header says {entry.changed}")
+            if change is not None and old is not None and not full_check:
+                value = checksum_update(old.checksum, change.index, change.old, change.new)
+            else:
+                value = checksum(new.view(torch.int16))
+            if value != parse_checksum(entry.checksum):
+                raise ChecksumError(
+                    f"{where}: tensor {entry.name!r} elements [{entry.start}, {entry.start + entry.numel}) "
+                    "do not reproduce the trainer's checksum"
+                )
+            slices[entry.name] = _Slice(entry, new, value)
+        return _RankState(header, slices)
+
+
+def _assemble(states: list[_RankState]) -> dict[str, Tensor]:
+    pieces: dict[str, list[tuple[int, Tensor]]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for state in states:
+        for name, s in state.slices.items():
+            if meta.setdefault(name, (s.entry.dtype, s.entry.shape)) != (s.entry.dtype, s.entry.shape):
+                raise FormatError(f"{name}: ranks disagree on its dtype or shape")
+            pieces.setdefault(name, []).append((s.entry.start, s.bits))
+    return {
+        name: assemble(name, meta[name][1], fmt.DTYPE_NAMES[meta[name][0]], pieces[name]) for name in sorted(pieces)
+    }

@@ -1,0 +1,263 @@
+"""The trainer-side engine: cache, diff on the device, upload in the background.
+
+`DeltaPublisher.publish(step)` does on the calling thread only what must see the live weights:
+cast the rank's own slices to `dtype` on their device, diff them against the cached copy from the
+last publish, pack the change (a few bytes per changed element) and copy that to the host.
+Compression, hashing of the blob and upload run on a worker thread; its errors are raised on the
+next `publish` or at `close`.
+
+Each rank's parts form their own chain (each delta names the same rank's previous part), so a
+rank never waits for another: not to publish, and not to skip a step when its uploads fall behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import codec
+from . import format as fmt
+from .checksum import checksum, checksum_update, format_checksum
+from .errors import PublishError
+from .shards import OwnedSlice, named_tensors, plan, read_slice
+from .store import Store, as_store
+
+__all__ = ["Backlog", "DeltaPublisher", "PublishStats"]
+
+log = logging.getLogger(__name__)
+
+TensorSource = nn.Module | Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]]
+
+
+class Backlog(str, Enum):
+    """What `publish` does when `max_pending` snapshots are already waiting for upload."""
+
+    BLOCK = "block"  # wait for the upload queue (every step is published)
+    COALESCE = "coalesce"  # skip this step; the next published one diffs against the last published
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What one `publish` call did on the calling thread."""
+
+    step: int
+    published: bool
+    kind: fmt.Kind | None
+    changed: int  # elements of this rank's slices that changed
+    numel: int  # elements of this rank's slices
+    host_bytes: int  # packed bytes copied to the host
+    diff_ms: float  # calling-thread time, diff + pack + copy
+
+
+@dataclass
+class _Cached:
+    spec: OwnedSlice
+    bits: Tensor  # `dtype` copy of the slice as last published, on its device
+    checksum: int
+
+
+@dataclass(frozen=True)
+class _Job:
+    header: fmt.PartHeader  # offsets and lengths are filled in by the worker
+    packed: list[codec.Packed]
+
+
+class DeltaPublisher:
+    """Publish a rank's share of a model's weights as a chain of bases and deltas.
+
+    Args:
+        store: fsspec URL (a local path works) or a `Store`.
+        tensors: a module (its parameters and persistent float buffers), a mapping of name to
+            tensor, or a callable returning one; DTensor parameters are read shard by shard.
+        base_every: a full base every this many steps, deltas in between.
+        dtype: the 16-bit dtype that is shipped; the trainer's masters are never touched.
+        process_group: the ranks that share the upload; default the world group if initialised.
+        run_id: shared by all ranks of one run; broadcast from rank 0 when not given.
+        backlog: policy when `max_pending` snapshots already wait for upload.
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        tensors: TensorSource,
+        *,
+        base_every: int = 25,
+        dtype: torch.dtype = torch.bfloat16,
+        process_group: dist.ProcessGroup | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        codec_options: codec.CodecOptions | None = None,
+        max_pending: int = 2,
+        backlog: Backlog = Backlog.BLOCK,
+        run_id: str | None = None,
+    ) -> None:
+        if base_every < 1:
+            raise ValueError(f"base_every must be >= 1, got {base_every}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.store = as_store(store, storage_options)
+        self.base_every, self.dtype, self.backlog = base_every, dtype, Backlog(backlog)
+        self.codec_options = codec_options or codec.CodecOptions()
+        self._source = _as_source(tensors)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        self.run_id = run_id or _shared_run_id(process_group)
+        self._cache: list[_Cached] | None = None
+        self._last_step: int | None = None
+        self._last_base: int | None = None
+        self._prev_snapshot_id: str | None = None
+        self.skipped = 0
+        self._error: BaseException | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self._worker = threading.Thread(target=self._upload_loop, name="delta-upload", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ calling thread
+
+    def publish(self, step: int) -> PublishStats:
+        """Snapshot the current weights as `step` and queue their upload."""
+        self._raise_worker_error()
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"steps must increase: {step} after {self._last_step}")
+        if self.backlog == Backlog.COALESCE and self._jobs.full():
+            self.skipped += 1
+            return PublishStats(step, False, None, 0, 0, 0, 0.0)
+        started = time.perf_counter()
+        tensors = self._source()
+        if self._cache is None:
+            self._last_base = None
+        is_base = self._last_base is None or step - self._last_base >= self.base_every
+        cache = self._cache or [
+            _Cached(spec, torch.empty(0), 0) for spec in plan(dict(tensors), self.rank, self.world_size)
+        ]
+        entries, packed_all, changed_total = [], [], 0
+        for cached in cache:
+            spec = cached.spec
+            values = read_slice(tensors[spec.name], spec).to(self.dtype)
+            if is_base:
+                cached.bits = values.clone()
+                cached.checksum = checksum(cached.bits.view(torch.int16))
+                packed, changed = codec.pack_full(cached.bits), spec.numel
+            else:
+                change = codec.diff(cached.bits, values)
+                cached.checksum = checksum_update(cached.checksum, change.index, change.old, change.new)
+                packed, changed = codec.pack_delta(change, values), change.index.numel()
+                cached.bits.copy_(values)
+            packed_all.append(packed.cpu())
+            changed_total += changed
+            entries.append(
+                fmt.TensorEntry(
+                    spec.name, _dtype_name(self.dtype), spec.shape, spec.start, spec.numel,
+                    0, 0, format_checksum(cached.checksum), changed,
+                )
+            )
+        self._cache = cache
+        kind = fmt.Kind.BASE if is_base else fmt.Kind.DELTA
+        snapshot_id = f"{self.run_id}-{step:012d}"
+        header = fmt.PartHeader(
+            snapshot_id=snapshot_id,
+            prev_snapshot_id=None if is_base else self._prev_snapshot_id,
+            step=step,
+            prev_step=None if is_base else self._last_step,
+            kind=kind,
+            rank=self.rank,
+            world_size=self.world_size,
+            created=time.time(),
+            tensors=tuple(entries),
+        )
+        diff_ms = (time.perf_counter() - started) * 1e3
+        self._jobs.put(_Job(header, packed_all))  # blocks only under Backlog.BLOCK
+        self._last_step, self._prev_snapshot_id = step, snapshot_id
+        if is_base:
+            self._last_base = step
+        host_bytes = sum(s.numel() for p in packed_all for s in p.sections)
+        numel = sum(c.spec.numel for c in cache)
+        return PublishStats(step, True, kind, changed_total, numel, host_bytes, diff_ms)
+
+    def flush(self) -> None:
+        """Wait until every queued snapshot is in the store; raise if an upload failed."""
+        self._jobs.join()
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        """Flush and stop the worker.  Idempotent."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+        self._raise_worker_error()
+
+    def __enter__(self) -> DeltaPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raise_worker_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            self._cache = None  # the chain is broken: start over with a base
+            raise PublishError(f"uploading to {self.store.url} failed: {error}") from error
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _upload_loop(self) -> None:
+        broken = False  # after a failure, deltas would link to a part that is not there
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if not broken or job.header.kind == fmt.Kind.BASE:
+                    broken = False
+                    self._upload(job)
+            except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
+                log.exception("delta upload failed")
+                broken, self._error = True, err
+            finally:
+                self._jobs.task_done()
+
+    def _upload(self, job: _Job) -> None:
+        payloads = [codec.serialize(p, self.codec_options) for p in job.packed]
+        entries, offset = [], 0
+        for entry, payload in zip(job.header.tensors, payloads, strict=True):
+            entries.append(fmt.TensorEntry(**{**entry.__dict__, "offset": offset, "length": len(payload)}))
+            offset += len(payload)
+        header = fmt.PartHeader(**{**job.header.__dict__, "tensors": tuple(entries)})
+        blob = fmt.encode_blob(header, payloads)
+        self.store.commit_part(header.step, header.rank, header.world_size, blob)
+
+
+def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
+    if isinstance(tensors, nn.Module):
+        return lambda: named_tensors(tensors)
+    if isinstance(tensors, Mapping):
+        return lambda: tensors
+    if callable(tensors):
+        return tensors
+    raise TypeError(f"tensors must be an nn.Module, a mapping or a callable, got {type(tensors).__name__}")
+
+
+def _shared_run_id(group: dist.ProcessGroup | None) -> str:
+    """A fresh id from rank 0 of the group: one collective, at construction only."""
+    ids = [uuid.uuid4().hex]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(ids, src=dist.get_global_rank(group, 0), group=group)
+    return ids[0]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

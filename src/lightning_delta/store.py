@@ -1,0 +1,126 @@
+"""Where snapshots live: a narrow object interface over fsspec, and the commit protocol.
+
+Commit protocol (no rename needed, so it holds on S3 too): a rank writes its blob, then its
+commit marker.  A part counts only once its marker exists, and a step is visible only once
+the markers of all `world_size` ranks exist.  A publisher that dies mid-upload therefore
+leaves at most an invisible step behind.  Locally, each object is written to a temporary name
+and renamed, so a reader never opens a half-written file either.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from . import format as fmt
+from .errors import FormatError, SnapshotNotFoundError
+
+__all__ = ["Store", "as_store"]
+
+
+class Store:
+    """Objects addressed by '/'-separated keys below one fsspec URL (a plain path works).
+
+    URLs stay strings: `pathlib` would collapse the `//` of `s3://bucket`.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._fs, self._root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        self._root = self._root.rstrip("/")
+        self._local = isinstance(self._fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{key}"
+
+    def read(self, key: str) -> bytes:
+        """The object's bytes; FileNotFoundError if it does not exist."""
+        return self._fs.cat_file(self._path(key))
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write an object so that readers see all of it or nothing."""
+        path = self._path(key)
+        if not self._local:
+            self._fs.pipe_file(path, data)
+            return
+        self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        temp = f"{path}.tmp-{uuid.uuid4().hex}"
+        self._fs.pipe_file(temp, data)
+        self._fs.mv(temp, path)
+
+    def list(self, key: str) -> list[str]:
+        """Base names of the entries directly below `key`; empty if there is none."""
+        path = self._path(key)
+        self._fs.invalidate_cache(path)  # a follower polls: a cached listing would hide new steps
+        try:
+            entries = self._fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        paths = [self._path(k) for k in keys]
+        if paths:
+            self._fs.rm(paths)
+
+    # ------------------------------------------------------------------ commit protocol
+
+    def commit_part(self, step: int, rank: int, world_size: int, blob: bytes) -> None:
+        """Publish one rank's part: the blob first, then the marker that makes it count."""
+        self.write(fmt.blob_path(step, rank, world_size), blob)
+        self.write(fmt.commit_path(step, rank, world_size), fmt.encode_commit(blob))
+
+    def committed_ranks(self, step: int) -> dict[int, set[int]]:
+        """world_size -> ranks whose part of `step` is committed."""
+        ranks: dict[int, set[int]] = defaultdict(set)
+        for name in self.list(fmt.step_dir(step)):
+            parsed = fmt.parse_part_name(name)
+            if parsed:
+                ranks[parsed[1]].add(parsed[0])
+        return ranks
+
+    def published_steps(self) -> list[int]:
+        """Steps whose directory exists, ascending (complete or not)."""
+        return sorted(int(name) for name in self.list("steps") if name.isdigit())
+
+    def complete_world_size(self, step: int) -> int | None:
+        """The world size whose every rank committed `step`, None if no such set exists."""
+        complete = [w for w, ranks in self.committed_ranks(step).items() if len(ranks) == w]
+        if len(complete) > 1:
+            raise FormatError(f"step {step} is complete for several world sizes: {sorted(complete)}")
+        return complete[0] if complete else None
+
+    def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
+        """A committed part, checked against its marker, with its header validated."""
+        where = fmt.blob_path(step, rank, world_size)
+        try:
+            marker = self.read(fmt.commit_path(step, rank, world_size))
+        except FileNotFoundError:
+            raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
+        size, digest = fmt.decode_commit(marker)
+        try:
+            blob = self.read(where)
+        except FileNotFoundError:
+            raise FormatError(f"{self.url}/{where} is committed but missing") from None
+        fmt.verify_blob(blob, size, digest, f"{self.url}/{where}")
+        header, payload = fmt.decode_blob(blob)
+        if (header.step, header.rank, header.world_size) != (step, rank, world_size):
+            raise FormatError(f"{self.url}/{where} holds step {header.step} rank {header.rank}")
+        return header, payload
+
+
+def as_store(store: str | Store, storage_options: Mapping[str, Any] | None = None) -> Store:
+    """Accept a URL or an existing Store wherever a store is expected."""
+    if isinstance(store, Store):
+        if storage_options:
+            raise ValueError("storage_options apply to a URL, not to an existing Store")
+        return store
+    return Store(store, storage_options)
