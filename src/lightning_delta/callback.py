@@ -59,7 +59,12 @@ class DeltaCallback(Callback):
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self.store, self.base_every, self.dtype, self.submodule = store, base_every, dtype, submodule
+        self.store, self.base_every, self.dtype, self.submodule = (
+            store,
+            base_every,
+            dtype,
+            submodule,
+        )
         self.storage_options = dict(storage_options or {})
         self.codec, self.backlog, self.max_pending = codec, Backlog(backlog), max_pending
         self.publisher: DeltaPublisher | None = None
@@ -85,7 +90,12 @@ class DeltaCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if trainer.sanity_checking or trainer.fast_dev_run:
             return

@@ -179,7 +179,13 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
     """The payload bytes of a packed change (sections must be on the CPU)."""
     options = options or CodecOptions()
     header = _HEADER.pack(
-        MAGIC, packed.mode, packed.values, packed.low_bits, DTYPE_CODES[packed.dtype], packed.n, packed.m
+        MAGIC,
+        packed.mode,
+        packed.values,
+        packed.low_bits,
+        DTYPE_CODES[packed.dtype],
+        packed.n,
+        packed.m,
     )
     parts = [header]
     for section, compressible in zip(packed.sections, _COMPRESSIBLE[packed.mode], strict=True):
@@ -257,12 +263,13 @@ def decode_change(old: Tensor | None, payload: bytes | memoryview, *, numel: int
     if ones.numel() != m:
         raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
     index = ((ones - torch.arange(m, device=device)) << low_bits) | low
-    if (int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any())):
+    if int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any()):
         raise FormatError("changed positions are out of range or not strictly increasing")
     if packed.values == ValueCoding.SIGN:
         step = torch.where(_unpack_bits(sections[2], m), 1, -1).to(torch.int16)
     else:
-        zigzag = sections[2].view(2, m).t().contiguous().view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
+        planes = sections[2].view(2, m)
+        zigzag = torch.stack((planes[0], planes[1]), dim=1).view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
         if bool((zigzag == 0).any()):
             raise FormatError("a SPARSE tensor payload lists an element that did not change")
         step = ((zigzag >> 1) ^ -(zigzag & 1)).to(torch.int16)

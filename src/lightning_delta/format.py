@@ -221,9 +221,7 @@ def _from_json(raw: Any) -> PartHeader:
         checks["prev"] = raw["prev_step"] is None and raw["prev_snapshot_id"] is None
     else:
         checks["prev"] = (
-            _is_count(raw["prev_step"])
-            and raw["prev_step"] < raw["step"]
-            and isinstance(raw["prev_snapshot_id"], str)
+            _is_count(raw["prev_step"]) and raw["prev_step"] < raw["step"] and isinstance(raw["prev_snapshot_id"], str)
         )
     bad = [key for key, ok in checks.items() if not ok]
     if bad:

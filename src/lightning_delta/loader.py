@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_update, parse_checksum
-from .errors import ChainError, ChecksumError, FormatError, ModelMismatchError, SnapshotNotFoundError
+from .errors import (
+    ChainError,
+    ChecksumError,
+    FormatError,
+    ModelMismatchError,
+    SnapshotNotFoundError,
+)
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
@@ -136,7 +142,11 @@ class DeltaLoader:
         return state
 
     def _apply(
-        self, state: _RankState | None, header: fmt.PartHeader, payload: memoryview, full_check: bool
+        self,
+        state: _RankState | None,
+        header: fmt.PartHeader,
+        payload: memoryview,
+        full_check: bool,
     ) -> _RankState:
         where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
         if header.kind == fmt.Kind.DELTA:
@@ -158,7 +168,10 @@ class DeltaLoader:
                 raise FormatError(f"{where}: tensor {entry.name!r} payload is {new.dtype}, header says {entry.dtype}")
             change = decoded.change
             if change is not None and change.index.numel() != entry.changed:
-                raise FormatError(f"{where}: tensor {entry.name!r} changes {change.index.numel()} elements, header says {entry.changed}")
+                raise FormatError(
+                    f"{where}: tensor {entry.name!r} changes {change.index.numel()} elements, "
+                    f"header says {entry.changed}"
+                )
             if change is not None and old is not None and not full_check:
                 value = checksum_update(old.checksum, change.index, change.old, change.new)
             else:
@@ -177,7 +190,10 @@ def _assemble(states: list[_RankState]) -> dict[str, Tensor]:
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for state in states:
         for name, s in state.slices.items():
-            if meta.setdefault(name, (s.entry.dtype, s.entry.shape)) != (s.entry.dtype, s.entry.shape):
+            if meta.setdefault(name, (s.entry.dtype, s.entry.shape)) != (
+                s.entry.dtype,
+                s.entry.shape,
+            ):
                 raise FormatError(f"{name}: ranks disagree on its dtype or shape")
             pieces.setdefault(name, []).append((s.entry.start, s.bits))
     return {

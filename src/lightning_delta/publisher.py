@@ -161,8 +161,15 @@ class DeltaPublisher:
             changed_total += changed
             entries.append(
                 fmt.TensorEntry(
-                    spec.name, _dtype_name(self.dtype), spec.shape, spec.start, spec.numel,
-                    0, 0, format_checksum(cached.checksum), changed,
+                    spec.name,
+                    _dtype_name(self.dtype),
+                    spec.shape,
+                    spec.start,
+                    spec.numel,
+                    0,
+                    0,
+                    format_checksum(cached.checksum),
+                    changed,
                 )
             )
         self._cache = cache

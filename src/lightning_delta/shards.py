@@ -22,7 +22,15 @@ from torch.distributed.tensor import DTensor
 
 from .errors import FormatError, UnsupportedStrategyError
 
-__all__ = ["OwnedSlice", "assemble", "clean_name", "named_tensors", "plan", "read_slice", "split_replicated"]
+__all__ = [
+    "OwnedSlice",
+    "assemble",
+    "clean_name",
+    "named_tensors",
+    "plan",
+    "read_slice",
+    "split_replicated",
+]
 
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Name segments that torch.compile, activation checkpointing and FSDP1 insert."""

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    """Same shape and the same bit patterns: `allclose` would let a lossy codec pass."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `script` under torchrun on CPU/gloo; fail the test with the ranks' output on error."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return str(tmp_path / "store")

@@ -1,0 +1,39 @@
+"""A small decoder-only transformer shared by the tests, the example scripts and the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 2, context: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        # a persistent float buffer is published; a non-persistent one is not
+        self.register_buffer("logit_scale", torch.tensor([1.0, 0.5, 0.25]))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) * self.logit_scale[0]

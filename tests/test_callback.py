@@ -1,0 +1,104 @@
+"""DeltaCallback inside an in-process, single-device Lightning Trainer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import bitwise_equal
+from lightning_delta import DeltaCallback, DeltaLoader, UnsupportedStrategyError
+from lightning_delta.shards import named_tensors
+from models import TinyLM
+
+
+class ManualLM(pl.LightningModule):
+    """Manual optimization with two optimizer steps per batch (think actor and value head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = TinyLM()
+        self.truth: dict[int, dict[str, torch.Tensor]] = {}
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        opt_a, opt_b = self.optimizers()
+        for opt in (opt_a, opt_b):
+            logits = self.model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()}
+        self.truth[self.trainer.global_step] = state
+
+    def configure_optimizers(self):
+        params = list(self.model.parameters())
+        return torch.optim.AdamW(params[::2], lr=1e-4), torch.optim.AdamW(params[1::2], lr=1e-4)
+
+
+def trainer(callback: DeltaCallback, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(callbacks=[callback], **{**defaults, **kwargs})
+
+
+def data(batches: int) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randint(0, 97, (batches * 2, 17))), batch_size=2)
+
+
+def test_manual_optimization_publishes_global_step_after_each_batch(tmp_path):
+    store = str(tmp_path / "store")
+    torch.manual_seed(0)
+    module = ManualLM()
+    trainer(DeltaCallback(store, base_every=3, submodule="model"), max_epochs=1).fit(module, data(5))
+    loader = DeltaLoader(store)
+    assert loader.steps() == [2, 4, 6, 8, 10]  # two optimizer steps per batch
+    for step in loader.steps():
+        state = loader.state_dict(step)[1]
+        assert all(bitwise_equal(state[n], t) for n, t in module.truth[step].items())
+
+
+def test_fast_dev_run_publishes_nothing(tmp_path):
+    store = str(tmp_path / "store")
+    trainer(DeltaCallback(store, submodule="model"), fast_dev_run=2).fit(ManualLM(), data(2))
+    assert DeltaLoader(store).steps() == []
+
+
+def test_fsdp1_is_refused_with_a_pointer_to_model_parallel():
+    fake = SimpleNamespace(strategy=FSDPStrategy.__new__(FSDPStrategy))
+    with pytest.raises(UnsupportedStrategyError, match="ModelParallelStrategy"):
+        DeltaCallback("unused").setup(fake, None, "fit")
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="base_every"):
+        DeltaCallback("x", base_every=0)
+    with pytest.raises(ValueError, match="dtype"):
+        DeltaCallback("x", dtype=torch.float32)
+    with pytest.raises(ValueError, match="store"):
+        DeltaCallback("")
+
+
+def test_state_key_names_the_store():
+    assert "s3://b/run" in DeltaCallback("s3://b/run").state_key
+
+
+def test_the_rollout_side_never_imports_lightning():
+    code = "import sys, lightning_delta.loader; assert 'lightning' not in sys.modules, 'lightning imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,240 @@
+"""Publisher and loader in one process, driven by plain torch code (no Lightning)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import bitwise_equal
+from lightning_delta import (
+    Backlog,
+    ChecksumError,
+    DeltaLoader,
+    DeltaPublisher,
+    FormatError,
+    ModelMismatchError,
+    PublishError,
+    SnapshotNotFoundError,
+    Store,
+)
+from lightning_delta import format as fmt
+from lightning_delta.shards import named_tensors
+from models import TinyLM
+
+
+def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(model).items()}
+
+
+def train(publisher: DeltaPublisher | None, model: TinyLM, steps: int, lr: float = 1e-4, seed: int = 0):
+    """AdamW steps on random tokens; returns the true bf16 state after each step."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    truth = {}
+    for step in range(1, steps + 1):
+        tokens = torch.randint(0, 97, (4, 17), generator=g)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        truth[step] = bf16_state(model)
+        if publisher is not None:
+            publisher.publish(step)
+    return truth
+
+
+def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    assert state.keys() == truth.keys()
+    for name in truth:
+        assert bitwise_equal(state[name], truth[name]), name
+
+
+def test_every_step_rebuilds_bit_exactly_and_bases_follow_the_schedule(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=4) as pub:
+        truth = train(pub, model, 10)
+    loader = DeltaLoader(store_url)
+    assert loader.steps() == list(range(1, 11))
+    for step in [3, 10, 1, 7, 8, 9]:  # out of order: the loader restarts from a base when needed
+        got, state = loader.state_dict(step)
+        assert got == step
+        assert_state(state, truth[step])
+    assert loader.state_dict()[0] == 10
+    store = Store(store_url)
+    bases = [s for s in range(1, 11) if store.read_part(s, 0, 1)[0].kind == fmt.Kind.BASE]
+    assert bases == [1, 5, 9]
+    assert "scratch" not in state and "logit_scale" in state
+
+
+def test_deltas_are_small_at_rl_learning_rates(store_url):
+    torch.manual_seed(0)
+    model = TinyLM(dim=64)
+    with DeltaPublisher(store_url, model, base_every=100) as pub:
+        train(pub, model, 4, lr=1e-6)
+    store = Store(store_url)
+    base = store.read_part(1, 0, 1)[0]
+    delta = store.read_part(4, 0, 1)[0]
+    dense = 2 * sum(e.numel for e in base.tensors)
+    changed = sum(e.changed for e in delta.tensors)
+    assert 0 < changed < 0.1 * dense / 2
+    assert delta.payload_bytes < 0.05 * dense  # a few percent of the dense bf16 size
+
+
+def test_apply_to_copies_into_a_fresh_model(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=3) as pub:
+        train(pub, model, 5)
+    replica = TinyLM()
+    assert DeltaLoader(store_url).apply_to(replica) == 5
+    assert_state(bf16_state(replica), bf16_state(model))
+
+
+def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=10) as pub:
+        truth = train(pub, model, 4)
+    loader, replica = DeltaLoader(store_url), TinyLM()
+    loader.apply_to(replica, step=2)
+    before = bf16_state(replica)
+    store = Store(store_url)
+    blob_key = fmt.blob_path(3, 0, 1)
+    blob = bytearray(store.read(blob_key))
+    blob[-3] ^= 0xFF
+    store.write(blob_key, bytes(blob))
+    with pytest.raises(ChecksumError):
+        loader.apply_to(replica, step=4)
+    assert_state(bf16_state(replica), before)
+    # the loader's own state is intact: step 2 is still served from what it holds
+    assert_state(loader.state_dict(2)[1], truth[2])
+
+
+def test_apply_to_refuses_a_different_model(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model) as pub:
+        train(pub, model, 1)
+    with pytest.raises(ModelMismatchError, match="wrong shape"):
+        DeltaLoader(store_url).apply_to(TinyLM(dim=16))
+    with pytest.raises(ModelMismatchError, match="missing"):
+        DeltaLoader(store_url).apply_to(torch.nn.Linear(2, 2))
+
+
+def test_unknown_steps(store_url):
+    with pytest.raises(SnapshotNotFoundError, match="no complete step"):
+        DeltaLoader(store_url).state_dict()
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model) as pub:
+        train(pub, model, 2)
+    with pytest.raises(SnapshotNotFoundError, match="step 7"):
+        DeltaLoader(store_url).state_dict(7)
+
+
+def test_steps_must_increase(store_url):
+    with DeltaPublisher(store_url, TinyLM()) as pub:
+        pub.publish(3)
+        with pytest.raises(ValueError, match="increase"):
+            pub.publish(3)
+
+
+def test_constructor_validates_its_arguments(store_url):
+    for kwargs, message in [
+        ({"base_every": 0}, "base_every"),
+        ({"dtype": torch.float32}, "dtype"),
+        ({"max_pending": 0}, "max_pending"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DeltaPublisher(store_url, TinyLM(), **kwargs)
+
+
+class SlowStore(Store):
+    def __init__(self, url: str, delay: float) -> None:
+        super().__init__(url)
+        self.delay = delay
+
+    def write(self, key: str, data: bytes) -> None:
+        time.sleep(self.delay)
+        super().write(key, data)
+
+
+def test_coalescing_thins_published_steps_but_keeps_the_chain_exact(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    pub = DeltaPublisher(SlowStore(store_url, 0.05), model, base_every=5, backlog=Backlog.COALESCE, max_pending=1)
+    started = time.perf_counter()
+    truth = train(pub, model, 20)
+    trained = time.perf_counter() - started
+    pub.close()
+    loader = DeltaLoader(store_url)
+    steps = loader.steps()
+    assert pub.skipped > 0 and len(steps) == 20 - pub.skipped
+    assert trained < 20 * 2 * 0.05  # never waited for every upload
+    for step in steps:
+        assert_state(loader.state_dict(step)[1], truth[step])
+
+
+def test_blocking_backlog_publishes_every_step(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(SlowStore(store_url, 0.01), model, backlog=Backlog.BLOCK, max_pending=1) as pub:
+        train(pub, model, 6)
+    assert DeltaLoader(store_url).steps() == list(range(1, 7))
+
+
+class FailingStore(Store):
+    def __init__(self, url: str, fail_from: int) -> None:
+        super().__init__(url)
+        self.fail_from, self.writes = fail_from, 0
+        self.lock = threading.Lock()
+
+    def write(self, key: str, data: bytes) -> None:
+        with self.lock:
+            self.writes += 1
+            if self.writes >= self.fail_from:
+                raise OSError("connection reset by peer")
+        super().write(key, data)
+
+
+def test_a_failing_store_surfaces_on_the_trainer_thread(store_url):
+    model = TinyLM()
+    pub = DeltaPublisher(FailingStore(store_url, fail_from=3), model)
+    pub.publish(1)
+    pub.publish(2)  # its upload fails in the background
+    with pytest.raises(PublishError, match="connection reset"):
+        pub.flush()
+    pub.close()  # the error was raised once; closing is clean
+
+
+def test_after_a_failure_the_next_publish_is_a_base(store_url):
+    store = FailingStore(store_url, fail_from=10**9)
+    model = TinyLM()
+    with DeltaPublisher(store, model, base_every=100) as pub:
+        pub.publish(1)
+        pub.flush()
+        store.fail_from = store.writes + 1
+        pub.publish(2)
+        with pytest.raises(PublishError):
+            pub.flush()
+        store.fail_from = 10**9
+        pub.publish(3)
+    parts = Store(store_url)
+    assert parts.read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
+    assert DeltaLoader(store_url).steps() == [1, 3]
+
+
+def test_a_step_with_a_foreign_object_is_refused(store_url):
+    torch.manual_seed(0)
+    with DeltaPublisher(store_url, TinyLM()) as pub:
+        pub.publish(1)
+    store = Store(store_url)
+    foreign = b"PK\x03\x04" + bytes(range(60))  # a zip file, say
+    store.write(fmt.blob_path(1, 0, 1), foreign)
+    store.write(fmt.commit_path(1, 0, 1), fmt.encode_commit(foreign))
+    with pytest.raises(FormatError, match="not a lightning_delta part"):
+        DeltaLoader(store_url).state_dict(1)

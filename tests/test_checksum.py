@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_delta.checksum import checksum, checksum_update, format_checksum, parse_checksum
+
+M64 = (1 << 64) - 1
+
+
+def reference(bits: list[int]) -> int:
+    """docs/FORMAT.md's definition, in plain Python integers."""
+
+    def signed(x: int) -> int:
+        x &= M64
+        return x - (1 << 64) if x >> 63 else x
+
+    total = 0
+    for i, u in enumerate(bits):
+        x = signed(i * 65536 + (u & 0xFFFF))
+        x = signed(x * 0x9E3779B97F4A7C15)
+        x = signed(x ^ (x >> 32))
+        x = signed(x * 0xBF58476D1CE4E5B9)
+        x = signed(x ^ (x >> 29))
+        total += x
+    return total & M64
+
+
+def int16(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - 65536 if b >= 32768 else b for b in bits], dtype=torch.int16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), max_size=200))
+def test_torch_matches_the_reference_definition(bits):
+    assert checksum(int16(bits)) == reference(bits)
+
+
+def test_known_value_pins_the_definition():
+    assert format_checksum(checksum(int16([0x3F80, 0x0000, 0xFFFF]))) == format_checksum(reference([0x3F80, 0, 0xFFFF]))
+    assert checksum(int16([])) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=300), st.data())
+def test_incremental_update_equals_full_recompute(bits, data):
+    old = int16(bits)
+    new = old.clone()
+    idx = sorted(set(data.draw(st.lists(st.integers(0, len(bits) - 1), max_size=len(bits)))))
+    new[idx] = int16(data.draw(st.lists(st.integers(0, 0xFFFF), min_size=len(idx), max_size=len(idx))))
+    index = torch.tensor(idx, dtype=torch.int64)
+    assert checksum_update(checksum(old), index, old[index], new[index]) == checksum(new)
+
+
+def test_position_and_value_sensitivity():
+    a = int16([1, 2, 3, 4])
+    assert checksum(a) != checksum(int16([2, 1, 3, 4]))  # swapped elements
+    assert checksum(a) != checksum(int16([1, 2, 3, 5]))  # one bit
+    assert checksum(a) != checksum(int16([1, 2, 3]))  # truncated
+
+
+def test_chunked_sum_matches_single_chunk(monkeypatch):
+    import lightning_delta.checksum as mod
+
+    bits = torch.randint(-32768, 32767, (10_007,), dtype=torch.int16)
+    whole = checksum(bits)
+    monkeypatch.setattr(mod, "_CHUNK", 1000)
+    assert checksum(bits) == whole
+
+
+def test_hex_spelling_round_trips():
+    assert parse_checksum(format_checksum(2**64 - 1)) == 2**64 - 1
+    for bad in ["", "1234", "0123456789ABCDEF", "0123456789abcdeg"]:
+        try:
+            parse_checksum(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
