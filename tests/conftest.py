@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.py) is shared with the tests
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:

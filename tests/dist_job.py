@@ -21,10 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from lightning_delta import DeltaCallback
 from lightning_delta.shards import named_tensors
-from models import TinyLM
+from tinylm import TinyLM
 
 
 class LM(pl.LightningModule):

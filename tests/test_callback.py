@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import bitwise_equal
 from lightning_delta import DeltaCallback, DeltaLoader, UnsupportedStrategyError
 from lightning_delta.shards import named_tensors
-from models import TinyLM
+from tinylm import TinyLM
 
 
 class ManualLM(pl.LightningModule):

@@ -22,7 +22,7 @@ from lightning_delta import (
 )
 from lightning_delta import format as fmt
 from lightning_delta.shards import named_tensors
-from models import TinyLM
+from tinylm import TinyLM
 
 
 def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from .errors import (
     SnapshotNotFoundError,
     UnsupportedStrategyError,
 )
-from .loader import DeltaLoader
+from .loader import DeltaLoader, LoadReport
 from .publisher import Backlog, DeltaPublisher
 from .store import Store
 
@@ -36,6 +36,7 @@ __all__ = [
     "DeltaLoader",
     "DeltaPublisher",
     "FormatError",
+    "LoadReport",
     "ModelMismatchError",
     "PublishError",
     "SnapshotNotFoundError",

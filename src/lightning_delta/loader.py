@@ -9,6 +9,7 @@ mismatch raises and leaves the loader's state, and any module, as it was.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,19 @@ from .errors import (
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
-__all__ = ["DeltaLoader"]
+__all__ = ["DeltaLoader", "LoadReport"]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the last `state_dict` / `apply_to` call did."""
+
+    step: int
+    kind: fmt.Kind  # of the step itself (rank 0's part)
+    parts_read: int  # objects fetched; 0 when the step was already held
+    payload_bytes: int  # tensor payload bytes fetched
+    tensors: int  # full tensors rebuilt and verified
+    seconds: float  # fetch, decode and verification
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class DeltaLoader:
         self.store = as_store(store, storage_options)
         self.device = torch.device(device)
         self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
+        self._fetched: list[fmt.PartHeader] = []
+        self.last_report: LoadReport | None = None
 
     def steps(self) -> list[int]:
         """Steps whose every rank part is committed, ascending."""
@@ -78,6 +93,7 @@ class DeltaLoader:
         world = self.store.complete_world_size(step)
         if world is None:
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
+        started, self._fetched = time.perf_counter(), []
         states = [self._rank_state(step, rank, world) for rank in range(world)]
         ids = {s.header.snapshot_id for s in states}
         if len(ids) != 1:
@@ -85,6 +101,14 @@ class DeltaLoader:
         tensors = _assemble(states)
         for rank, state in enumerate(states):
             self._states[(rank, world)] = state
+        self.last_report = LoadReport(
+            step=step,
+            kind=states[0].header.kind,
+            parts_read=len(self._fetched),
+            payload_bytes=sum(h.payload_bytes for h in self._fetched),
+            tensors=len(tensors),
+            seconds=time.perf_counter() - started,
+        )
         return step, tensors
 
     def apply_to(self, module: nn.Module, step: int | None = None) -> int:
@@ -132,6 +156,7 @@ class DeltaLoader:
                     f"the store holds {header.snapshot_id} at step {at}"
                 )
             chain.append((header, payload))
+            self._fetched.append(header)
             if header.kind == fmt.Kind.BASE:
                 break
             at, wanted_id = header.prev_step, header.prev_snapshot_id

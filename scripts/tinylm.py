@@ -1,4 +1,4 @@
-"""A small decoder-only transformer shared by the tests, the example scripts and the benchmarks."""
+"""A small decoder-only transformer shared by the example scripts, the benchmarks and the tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""Typed configuration: dataclass schemas that Hydra validates overrides against.
+
+`register_configs()` puts the schemas into Hydra's ConfigStore; it is called by the apps that
+want them, never at import.  The YAML files in `lightning_delta/conf` (linked as `conf/` in the
+repository) compose these schemas, so `delta.base_evry=10` is an error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .codec import CodecOptions, Compressor
+from .publisher import Backlog
+
+if TYPE_CHECKING:
+    from .callback import DeltaCallback
+
+__all__ = ["DType", "DeltaConfig", "GenerateConfig", "LoaderConfig", "StoreConfig", "TrainConfig", "register_configs"]
+
+
+class DType(str, Enum):
+    """The 16-bit dtypes that can be shipped."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+
+@dataclass
+class StoreConfig:
+    url: str = "runs/demo/store"
+    """fsspec URL or local path of the chain."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec: endpoint, credentials, retries (prefer the environment for secrets)."""
+
+
+@dataclass
+class DeltaConfig:
+    base_every: int = 25
+    """A full base every this many steps, deltas in between."""
+    dtype: DType = DType.bfloat16
+    compressor: Compressor = Compressor.ZSTD
+    level: int = 3
+    backlog: Backlog = Backlog.BLOCK
+    max_pending: int = 2
+    """Snapshots that may wait for upload before `backlog` applies."""
+
+    def __post_init__(self) -> None:
+        if self.base_every < 1:
+            raise ValueError(f"delta.base_every must be >= 1, got {self.base_every}")
+        if self.max_pending < 1:
+            raise ValueError(f"delta.max_pending must be >= 1, got {self.max_pending}")
+
+    def callback(self, store: StoreConfig, submodule: str | None = None) -> DeltaCallback:
+        """The Lightning callback this config describes."""
+        from .callback import DeltaCallback
+
+        return DeltaCallback(
+            store.url,
+            base_every=self.base_every,
+            dtype=self.dtype.torch,
+            submodule=submodule,
+            storage_options=store.storage_options,
+            codec=CodecOptions(self.compressor, self.level),
+            backlog=self.backlog,
+            max_pending=self.max_pending,
+        )
+
+
+@dataclass
+class LoaderConfig:
+    device: str = "cpu"
+    """Where reconstruction happens and where the model lives."""
+
+
+@dataclass
+class ModelConfig:
+    """The example TinyLM of scripts/."""
+
+    vocab: int = 97
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    context: int = 32
+
+
+@dataclass
+class TrainConfig:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    delta: DeltaConfig = field(default_factory=DeltaConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 40
+    lr: float = 2e-6
+    batch_size: int = 8
+    seed: int = 0
+
+
+@dataclass
+class GenerateConfig:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    new_tokens: int = 12
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="generate_schema", node=GenerateConfig)
+    cs.store(group="store", name="store_schema", node=StoreConfig)
+    cs.store(group="delta", name="delta_schema", node=DeltaConfig)
