@@ -4,8 +4,10 @@ Between adjacent RL steps ~1-3% of bf16 elements change, most by one ULP.  So a 
 
 * positions as an Elias-Fano sequence (fixed-width low bits + unary high bits), which costs
   within a few percent of the binary entropy of the changed mask and decodes with plain torch ops;
-* values as the wrapped integer difference of the bit patterns, `new - old mod 2**16`, which
-  makes a one-ULP step +-1: one sign bit each when every change is +-1, else zigzag byte planes;
+* values as the wrapped integer difference of the bit patterns, `d = new - old mod 2**16`, which
+  makes a one-ULP step +-1.  Most changes are +-1, so `d` is split into a "is +-1" flag and a sign
+  bit per change (bit-packed: zstd's byte-level entropy stage then gets close to their binary
+  entropy, which a byte per change never could) and `|d| - 2` for the rest;
 * each byte section through a pluggable compressor (zstd by default) where that pays.
 
 `diff`, `pack_full` and `pack_delta` are torch code that runs on the tensors' device; only the
@@ -22,7 +24,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import lz4.block
@@ -55,8 +57,7 @@ if sys.byteorder != "little":  # byte planes below are views of little-endian me
     raise ImportError("lightning_delta.codec requires a little-endian host")
 
 MAGIC = b"LDC\x01"
-_HEADER = struct.Struct("<4sBBBBQQ")  # magic, mode, value coding, low bits, dtype, n, m
-_SECTION = struct.Struct("<BQ")  # compressor, stored length
+_HEADER = struct.Struct("<4sBBBB")  # magic, mode, value coding, low bits, dtype; then varints n, m, k
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -70,11 +71,10 @@ class Mode(IntEnum):
 
 
 class ValueCoding(IntEnum):
-    """How a SPARSE payload stores `new - old mod 2**16` at the changed positions."""
+    """How a SPARSE payload stores `d = new - old mod 2**16` at the changed positions."""
 
     NONE = 0  # RAW payloads
-    ZIGZAG = 1  # zigzag-coded differences: low-byte plane, then high-byte plane
-    SIGN = 2  # every difference is +-1: one bit each, set for +1
+    SPLIT = 1  # per change a "|d| = 1" bit and a sign bit; `|d| - 2` as byte planes for the k others
 
 
 class Compressor(IntEnum):
@@ -116,11 +116,15 @@ class Packed:
     low_bits: int
     dtype: torch.dtype
     n: int
-    m: int
+    m: int  # changed elements (n for RAW)
+    k: int  # changed by more than one (0 for RAW)
     sections: tuple[Tensor, ...]
+    alternative: Packed | None = None
+    """Another packing of the same tensor; `serialize` keeps whichever is smaller."""
 
     def cpu(self) -> Packed:
-        return Packed(**{**self.__dict__, "sections": tuple(s.cpu() for s in self.sections)})
+        alternative = self.alternative.cpu() if self.alternative else None
+        return replace(self, sections=tuple(s.cpu() for s in self.sections), alternative=alternative)
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,24 @@ def diff(old: Tensor, new: Tensor) -> Change:
     """The elements whose bit patterns differ (NaN payloads and -0.0 included)."""
     _check_pair(old, new)
     a, b = old.view(torch.int16), new.view(torch.int16)
-    index = (a != b).nonzero().squeeze(1)
-    return Change(index, a[index], b[index])
+    head = a.numel() // 4 * 4
+    if not (head and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0):
+        index = (a != b).nonzero().squeeze(1)
+        return Change(index, a.index_select(0, index), b.index_select(0, index))
+    # Compare four elements per int64 word: `nonzero` scans a quarter as many entries, and only
+    # the few changed words are gathered and looked at lane by lane.
+    a64, b64 = a[:head].view(torch.int64), b[:head].view(torch.int64)
+    words = (a64 != b64).nonzero().squeeze(1)
+    old_lanes = a64.index_select(0, words).view(torch.int16).view(-1, 4)
+    new_lanes = b64.index_select(0, words).view(torch.int16).view(-1, 4)
+    changed = old_lanes != new_lanes
+    index = (words.unsqueeze(1) * 4 + torch.arange(4, device=a.device)).masked_select(changed)
+    olds, news = old_lanes.masked_select(changed), new_lanes.masked_select(changed)
+    if head < a.numel():  # the last one to three elements
+        tail = (a[head:] != b[head:]).nonzero().squeeze(1) + head
+        index = torch.cat([index, tail])
+        olds, news = torch.cat([olds, a.index_select(0, tail)]), torch.cat([news, b.index_select(0, tail)])
+    return Change(index, olds, news)
 
 
 def pack_full(new: Tensor) -> Packed:
@@ -147,29 +167,38 @@ def pack_full(new: Tensor) -> Packed:
     _check_tensor(new)
     planes = new.view(torch.uint8).view(-1, 2).t().contiguous()
     n = new.numel()
-    return Packed(Mode.RAW, ValueCoding.NONE, 0, new.dtype, n, n, (planes[0], planes[1]))
+    return Packed(Mode.RAW, ValueCoding.NONE, 0, new.dtype, n, n, 0, (planes[0], planes[1]))
 
 
 def pack_delta(change: Change, new: Tensor) -> Packed:
-    """A SPARSE payload of `change`, or RAW when more than half of `new` changed."""
+    """A SPARSE payload of `change`, or RAW when that is smaller.
+
+    Small tensors carry both packings and `serialize` keeps the smaller one; for large ones an
+    estimate decides, since compressing both would double the host's work.
+    """
     _check_tensor(new)
     n, m = new.numel(), change.index.numel()
-    if 2 * m > n:
+    step = change.new - change.old  # wraps mod 2**16
+    unit = (step == 1) | (step == -1)
+    far = step[~unit].to(torch.int32)
+    k, low_bits = far.numel(), _low_bits(n, m)
+    # Rough compressed sizes: a large change costs about the bit length of its magnitude, and
+    # RAW about 12 bits an element (its exponent plane compresses to half).
+    magnitude_bits = k * (1 + float(far.abs().float().log2().mean())) if k else 0.0
+    if m * low_bits + _high_len(n, m, low_bits) + 2 * m + magnitude_bits > 12 * n:
         return pack_full(new)
-    low_bits = _low_bits(n, m)
     index = change.index
     low = _pack_fixed(index & ((1 << low_bits) - 1), low_bits)
     high = torch.zeros(_high_len(n, m, low_bits), dtype=torch.bool, device=new.device)
     high[(index >> low_bits) + torch.arange(m, device=new.device)] = True
-    step = change.new - change.old  # wraps mod 2**16
-    if m and bool(((step == 1) | (step == -1)).all()):
-        coding, values = ValueCoding.SIGN, _pack_bits(step == 1)
-    else:
-        wide = step.to(torch.int32)
-        zigzag = ((wide << 1) ^ (wide >> 31)).to(torch.int16)
-        coding, values = ValueCoding.ZIGZAG, zigzag.view(torch.uint8).view(-1, 2).t().reshape(-1)
-    sections = (low, _pack_bits(high), values)
-    return Packed(Mode.SPARSE, coding, low_bits, new.dtype, n, m, sections)
+    magnitude = (far.abs() - 2).to(torch.int16).view(torch.uint8).view(-1, 2).t().reshape(-1)
+    sections = (low, _pack_bits(high), _pack_bits(unit), _pack_bits(step > 0), magnitude)
+    alternative = pack_full(new) if n <= _BOTH_BELOW and m else None
+    return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, new.dtype, n, m, k, sections, alternative)
+
+
+_BOTH_BELOW = 1 << 16
+"""Tensors of at most this many elements are packed both ways (norms, biases: cheap and close)."""
 
 
 # ------------------------------------------------------------------ host side: bytes
@@ -178,24 +207,19 @@ def pack_delta(change: Change, new: Tensor) -> Packed:
 def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
     """The payload bytes of a packed change (sections must be on the CPU)."""
     options = options or CodecOptions()
-    header = _HEADER.pack(
-        MAGIC,
-        packed.mode,
-        packed.values,
-        packed.low_bits,
-        DTYPE_CODES[packed.dtype],
-        packed.n,
-        packed.m,
-    )
-    parts = [header]
+    if packed.alternative is not None:
+        one, other = serialize(replace(packed, alternative=None), options), serialize(packed.alternative, options)
+        return one if len(one) <= len(other) else other
+    header = _HEADER.pack(MAGIC, packed.mode, packed.values, packed.low_bits, DTYPE_CODES[packed.dtype])
+    parts = [header, _varint(packed.n), _varint(packed.m), _varint(packed.k)]
     for section, compressible in zip(packed.sections, _COMPRESSIBLE[packed.mode], strict=True):
-        raw = memoryview(section.numpy())
+        raw = memoryview(section.contiguous().numpy())
         compressor, data = Compressor.NONE, raw
         if compressible and options.compressor != Compressor.NONE and len(raw) >= 64:
             squeezed = _BACKENDS[options.compressor].compress(raw, options.level)
             if len(squeezed) < len(raw):
                 compressor, data = options.compressor, squeezed
-        parts += [_SECTION.pack(compressor, len(data)), data]
+        parts += [bytes([compressor]), _varint(len(data)), data]
     return b"".join(parts)
 
 
@@ -204,39 +228,47 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
     view = memoryview(payload)
     if len(view) < _HEADER.size:
         raise FormatError(f"tensor payload truncated: {len(view)} bytes, header needs {_HEADER.size}")
-    magic, mode, coding, low_bits, dtype_code, n, m = _HEADER.unpack_from(view)
+    magic, mode, coding, low_bits, dtype_code = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise FormatError(f"not a lightning_delta tensor payload (magic {bytes(magic)!r})")
+    n, pos = _read_varint(view, _HEADER.size)
+    m, pos = _read_varint(view, pos)
+    k, pos = _read_varint(view, pos)
     if n != numel:
         raise FormatError(f"tensor payload holds {n} elements, expected {numel}")
     try:
         mode, coding, dtype = Mode(mode), ValueCoding(coding), _DTYPES[dtype_code]
     except (ValueError, KeyError) as err:
         raise FormatError(f"tensor payload has an unknown mode, coding or dtype: {err}") from None
-    if mode == Mode.RAW and (m != n or coding != ValueCoding.NONE or low_bits):
+    if mode == Mode.RAW and (m != n or k or coding != ValueCoding.NONE or low_bits):
         raise FormatError("RAW tensor payload with inconsistent header fields")
-    if mode == Mode.SPARSE and (m > n or coding == ValueCoding.NONE or low_bits != _low_bits(n, m)):
-        raise FormatError(f"SPARSE tensor payload with inconsistent header (n={n}, m={m}, l={low_bits})")
-    sections, pos = [], _HEADER.size
-    for size in _section_sizes(mode, coding, n, m, low_bits):
-        if pos + _SECTION.size > len(view):
-            raise FormatError("tensor payload truncated inside its section table")
-        compressor, stored = _SECTION.unpack_from(view, pos)
-        pos += _SECTION.size
+    if mode == Mode.SPARSE and (m > n or k > m or coding != ValueCoding.SPLIT or low_bits != _low_bits(n, m)):
+        raise FormatError(f"SPARSE tensor payload with inconsistent header (n={n}, m={m}, k={k}, l={low_bits})")
+    sections = []
+    for size in _section_sizes(mode, n, m, k, low_bits):
+        if pos >= len(view):
+            raise FormatError("tensor payload truncated before a section")
+        compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
         if pos + stored > len(view):
             raise FormatError(f"tensor payload truncated: section of {stored} bytes runs past the end")
         data, pos = view[pos : pos + stored], pos + stored
         sections.append(_as_bytes_tensor(_decompress(compressor, data, size)))
     if pos != len(view):
         raise FormatError(f"tensor payload has {len(view) - pos} trailing bytes")
-    return Packed(mode, coding, low_bits, dtype, n, m, tuple(sections))
+    return Packed(mode, coding, low_bits, dtype, n, m, k, tuple(sections))
 
 
 # ------------------------------------------------------------------ decode: unpack and apply
 
 
-def decode_change(old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None) -> Decoded:
-    """Decode a payload against `old` (None for a RAW payload of `numel` elements)."""
+def decode_change(
+    old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None, out: Tensor | None = None
+) -> Decoded:
+    """Decode a payload against `old` (None for a RAW payload of `numel` elements).
+
+    `out`, if given, receives the result (a reused buffer saves the page faults of a fresh one);
+    it must not be `old`, which stays untouched either way.
+    """
     if old is None:
         if numel is None:
             raise ValueError("decoding without `old` needs the expected `numel`")
@@ -244,11 +276,15 @@ def decode_change(old: Tensor | None, payload: bytes | memoryview, *, numel: int
         _check_tensor(old)
         numel = old.numel()
     packed = parse(payload, numel)
-    device = old.device if old is not None else torch.device("cpu")
+    device = old.device if old is not None else (out.device if out is not None else torch.device("cpu"))
+    if out is not None and (out.shape != (numel,) or out.dtype != packed.dtype or out.device != device):
+        raise ValueError(f"out must be a {packed.dtype} tensor of {numel} elements on {device}")
+    if out is None:
+        out = torch.empty(numel, dtype=packed.dtype, device=device)
     sections = [s.to(device) for s in packed.sections]
     if packed.mode == Mode.RAW:
-        new = torch.stack(sections, dim=1).view(packed.dtype).view(-1)
-        return Decoded(_match_dtype(new, old), None)
+        out.view(torch.uint8).view(-1, 2).copy_(torch.stack(sections, dim=1))
+        return Decoded(_match_dtype(out, old), None)
     if old is None:
         raise FormatError("a SPARSE tensor payload needs the previous tensor to decode against")
     if old.dtype != packed.dtype:
@@ -257,7 +293,7 @@ def decode_change(old: Tensor | None, payload: bytes | memoryview, *, numel: int
     bits = old.view(torch.int16)
     if m == 0:
         nothing = torch.empty(0, dtype=torch.int64, device=device)
-        return Decoded(old.clone(), Change(nothing, bits[nothing], bits[nothing]))
+        return Decoded(out.copy_(old), Change(nothing, bits[nothing], bits[nothing]))
     low = _unpack_fixed(sections[0], m, low_bits)
     ones = _unpack_bits(sections[1], _high_len(n, m, low_bits)).nonzero().squeeze(1)
     if ones.numel() != m:
@@ -265,18 +301,23 @@ def decode_change(old: Tensor | None, payload: bytes | memoryview, *, numel: int
     index = ((ones - torch.arange(m, device=device)) << low_bits) | low
     if int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any()):
         raise FormatError("changed positions are out of range or not strictly increasing")
-    if packed.values == ValueCoding.SIGN:
-        step = torch.where(_unpack_bits(sections[2], m), 1, -1).to(torch.int16)
-    else:
-        planes = sections[2].view(2, m)
-        zigzag = torch.stack((planes[0], planes[1]), dim=1).view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
-        if bool((zigzag == 0).any()):
-            raise FormatError("a SPARSE tensor payload lists an element that did not change")
-        step = ((zigzag >> 1) ^ -(zigzag & 1)).to(torch.int16)
-    change = Change(index, bits[index], bits[index] + step)
-    new = bits.clone()
-    new[index] = change.new
-    return Decoded(new.view(old.dtype), change)
+    unit, positive = _unpack_bits(sections[2], m), _unpack_bits(sections[3], m)
+    if int(unit.sum()) != m - packed.k:
+        raise FormatError(f"tensor payload flags {m - int(unit.sum())} changes larger than one, header says {packed.k}")
+    planes = sections[4].view(2, packed.k)
+    magnitude = torch.stack((planes[0], planes[1]), dim=1).view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
+    step = torch.ones(m, dtype=torch.int32, device=device)
+    step[~unit] = magnitude + 2
+    step = torch.where(positive, step, -step)
+    if packed.k and bool(((step > 32767) | (step < -32768)).any()):
+        raise FormatError("a tensor payload holds a change larger than 16 bits")
+    step = step.to(torch.int16)
+    olds = bits.index_select(0, index)
+    change = Change(index, olds, olds + step)
+    new = out.view(torch.int16)
+    new.copy_(bits)
+    new.index_copy_(0, index, change.new)
+    return Decoded(out, change)
 
 
 def encode(old: Tensor | None, new: Tensor, options: CodecOptions | None = None) -> bytes:
@@ -285,12 +326,39 @@ def encode(old: Tensor | None, new: Tensor, options: CodecOptions | None = None)
     return serialize(packed.cpu(), options)
 
 
-def decode(old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None) -> Tensor:
+def decode(
+    old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None, out: Tensor | None = None
+) -> Tensor:
     """Inverse of `encode`: `decode(old, encode(old, new))` is bit-identical to `new`."""
-    return decode_change(old, payload, numel=numel).new
+    return decode_change(old, payload, numel=numel, out=out).new
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _varint(value: int) -> bytes:
+    """Unsigned LEB128: seven bits a byte, least significant first, high bit = more follows."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it); at most 9 bytes, so the value stays below 2**63."""
+    value = 0
+    for i in range(9):
+        if pos + i >= len(view):
+            raise FormatError("tensor payload truncated inside a section length")
+        byte = view[pos + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if byte == 0 and i:
+                raise FormatError("tensor payload has a non-minimal section length")
+            return value, pos + i + 1
+    raise FormatError("tensor payload has a section length longer than 9 bytes")
 
 
 def _low_bits(n: int, m: int) -> int:
@@ -303,39 +371,57 @@ def _high_len(n: int, m: int, low_bits: int) -> int:
     return m + ((n - 1) >> low_bits) + 1 if m else 0
 
 
-def _section_sizes(mode: Mode, coding: ValueCoding, n: int, m: int, low_bits: int) -> tuple[int, ...]:
+def _section_sizes(mode: Mode, n: int, m: int, k: int, low_bits: int) -> tuple[int, ...]:
     if mode == Mode.RAW:
         return (n, n)
-    values = (m + 7) // 8 if coding == ValueCoding.SIGN else 2 * m
-    return ((m * low_bits + 7) // 8, (_high_len(n, m, low_bits) + 7) // 8, values)
+    flags = (m + 7) // 8
+    return ((m * low_bits + 7) // 8, (_high_len(n, m, low_bits) + 7) // 8, flags, flags, 2 * k)
 
 
-_COMPRESSIBLE = {Mode.RAW: (False, True), Mode.SPARSE: (False, True, True)}
+_COMPRESSIBLE = {Mode.RAW: (False, True), Mode.SPARSE: (False, True, True, True, True)}
 """Encoder policy: the mantissa plane and EF low bits are near-random; skip compressing them."""
 
 
+_GATHER = 0x0102040810204080  # (word * _GATHER) >> 56: eight 0/1 bytes -> one byte, byte k -> bit k
+_SPREAD = 0x0101010101010101  # one byte -> the same byte in all eight lanes of a word
+_LANES = 0x8040201008040201 - (1 << 64)  # lane k keeps bit k (as a signed int64)
+
+
 def _pack_bits(bits: Tensor) -> Tensor:
-    """Bools to bytes, least significant bit first."""
-    padded = F.pad(bits.to(torch.uint8), (0, -bits.numel() % 8)).view(-1, 8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (padded << shifts).sum(dim=1, dtype=torch.uint8)
+    """Bools to bytes, least significant bit first; one multiply per eight bits."""
+    words = F.pad(bits.view(torch.uint8), (0, -bits.numel() % 8)).view(torch.int64)
+    return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)
 
 
 def _unpack_bits(data: Tensor, count: int) -> Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
-    return ((data.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+    lanes = (data.to(torch.int64) * _SPREAD) & _LANES
+    return (lanes.view(torch.uint8) != 0)[:count]
 
 
 def _pack_fixed(values: Tensor, width: int) -> Tensor:
     """Non-negative ints below 2**width, `width` bits each, concatenated LSB first."""
-    shifts = torch.arange(width, dtype=torch.int64, device=values.device)
-    return _pack_bits(((values.unsqueeze(1) >> shifts) & 1).view(-1))
+    count = values.numel()
+    if width > 8:  # density below 1/512: few values, expand them bit by bit
+        shifts = torch.arange(width, dtype=torch.int64, device=values.device)
+        return _pack_bits(((values.unsqueeze(1) >> shifts) & 1).view(-1).bool())
+    # Eight values of `width` bits fill exactly `width` bytes: build one int64 word per eight.
+    groups = F.pad(values, (0, -count % 8)).view(-1, 8)
+    word = groups[:, 0].clone(memory_format=torch.contiguous_format)
+    for j in range(1, 8):
+        word |= groups[:, j] << (j * width)
+    return word.view(torch.uint8).view(-1, 8)[:, :width].reshape(-1)[: (count * width + 7) // 8]
 
 
 def _unpack_fixed(data: Tensor, count: int, width: int) -> Tensor:
-    shifts = torch.arange(width, dtype=torch.int64, device=data.device)
-    bits = _unpack_bits(data, count * width).view(count, width).to(torch.int64)
-    return (bits << shifts).sum(dim=1)
+    if width > 8:
+        shifts = torch.arange(width, dtype=torch.int64, device=data.device)
+        bits = _unpack_bits(data, count * width).view(count, width).to(torch.int64)
+        return (bits << shifts).sum(dim=1)
+    groups = -(-count // 8)
+    padded = F.pad(F.pad(data, (0, groups * width - data.numel())).view(groups, width), (0, 8 - width))
+    word = padded.view(torch.int64).view(-1, 1)
+    shifts = torch.arange(8, dtype=torch.int64, device=data.device) * width
+    return ((word >> shifts) & ((1 << width) - 1)).view(-1)[:count]
 
 
 def _match_dtype(new: Tensor, old: Tensor | None) -> Tensor:
@@ -380,16 +466,24 @@ class _Backend:
 _local = threading.local()  # zstd (de)compressor objects must not be shared between threads
 
 
+# Frames without magic number, content size or checksum: the payload header implies the size
+# and the part's SHA-256 covers the bytes, so those would be ~5 bytes of every section repeated.
+_ZSTD_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
+
+
 def _zstd_compress(data: memoryview, level: int) -> bytes:
     cache = _local.__dict__.setdefault("zstd_c", {})
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, format=_ZSTD_FORMAT, write_content_size=0, write_checksum=0, write_dict_id=0
+        )
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
     return cache[level].compress(data)
 
 
 def _zstd_decompress(data: memoryview, size: int) -> bytes:
     if "zstd_d" not in _local.__dict__:
-        _local.zstd_d = zstandard.ZstdDecompressor()
+        _local.zstd_d = zstandard.ZstdDecompressor(format=_ZSTD_FORMAT)
     return _local.zstd_d.decompress(data, max_output_size=size)
 
 
