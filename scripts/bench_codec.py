@@ -174,9 +174,8 @@ def run(label: str, pairs: list[Pair], repeats: int) -> None:
     copy_s, _ = best_of(repeats, lambda: [t.copy_(new) for t, (_, new) in zip(targets, pairs, strict=True)])
     memcpy = dense / copy_s / 1e6
     print(f"\n### {label}")
-    print(
-        f"{len(pairs)} tensors, {dense / 1e6:.1f} MB dense bf16, {100 * changed / (dense / 2):.2f}% of elements changed, "
-    )
+    share = 100 * changed / (dense / 2)
+    print(f"{len(pairs)} tensors, {dense / 1e6:.1f} MB dense bf16, {share:.2f}% of elements changed;")
     print(f"entropy bound {bound / 1e3:.1f} kB ({8 * bound / max(changed, 1):.2f} bits per changed element)\n")
     print("| method | bytes | % of dense | x bound | encode MB/s | decode MB/s | memcpy MB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
