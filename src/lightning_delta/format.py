@@ -38,8 +38,10 @@ __all__ = [
     "commit_path",
     "decode_blob",
     "decode_commit",
+    "decode_header",
     "encode_blob",
     "encode_commit",
+    "header_end",
     "parse_part_name",
     "step_dir",
     "verify_blob",
@@ -129,22 +131,36 @@ def encode_blob(header: PartHeader, payloads: list[bytes]) -> bytes:
     return b"".join([_PREFIX.pack(MAGIC, len(text)), text, *payloads])
 
 
+PREFIX_BYTES = _PREFIX.size
+
+
+def header_end(prefix: bytes | memoryview, object_size: int) -> int:
+    """Where the header of an `object_size`-byte blob ends, from its first PREFIX_BYTES bytes."""
+    if len(prefix) < _PREFIX.size or object_size < _PREFIX.size:
+        raise FormatError(f"part object truncated: {min(len(prefix), object_size)} bytes")
+    magic, size = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise FormatError(f"not a lightning_delta part object (magic {bytes(magic)!r})")
+    if size > MAX_HEADER_BYTES or _PREFIX.size + size > object_size:
+        raise FormatError(f"part header of {size} bytes does not fit the {object_size}-byte object")
+    return _PREFIX.size + size
+
+
+def decode_header(head: bytes | memoryview) -> PartHeader:
+    """The header of a blob from its first `header_end` bytes (offsets are not checked here)."""
+    try:
+        raw = json.loads(bytes(head[_PREFIX.size :]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"part header is not valid JSON: {err}") from None
+    return _from_json(raw)
+
+
 def decode_blob(blob: bytes) -> tuple[PartHeader, memoryview]:
     """Validate a blob and return its header and payload area."""
     view = memoryview(blob)
-    if len(view) < _PREFIX.size:
-        raise FormatError(f"part object truncated: {len(view)} bytes")
-    magic, size = _PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise FormatError(f"not a lightning_delta part object (magic {bytes(magic)!r})")
-    if size > MAX_HEADER_BYTES or _PREFIX.size + size > len(view):
-        raise FormatError(f"part header of {size} bytes does not fit the {len(view)}-byte object")
-    try:
-        raw = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + size]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"part header is not valid JSON: {err}") from None
-    header = _from_json(raw)
-    payload = view[_PREFIX.size + size :]
+    end = header_end(view, len(view))
+    header = decode_header(view[:end])
+    payload = view[end:]
     end = 0
     for entry in header.tensors:
         if entry.offset != end:

@@ -98,6 +98,17 @@ class Store:
             raise FormatError(f"step {step} is complete for several world sizes: {sorted(complete)}")
         return complete[0] if complete else None
 
+    def read_header(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, int]:
+        """A committed part's header and blob size, with two ranged reads; nothing is verified
+        beyond the header's own rules (use `read_part` before trusting any values)."""
+        where = fmt.blob_path(step, rank, world_size)
+        try:
+            size, _ = fmt.decode_commit(self.read(fmt.commit_path(step, rank, world_size)))
+            end = fmt.header_end(self._fs.cat_file(self._path(where), 0, fmt.PREFIX_BYTES), size)
+            return fmt.decode_header(self._fs.cat_file(self._path(where), 0, end)), size
+        except FileNotFoundError:
+            raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
+
     def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
         """A committed part, checked against its marker, with its header validated."""
         where = fmt.blob_path(step, rank, world_size)
@@ -115,6 +126,38 @@ class Store:
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
             raise FormatError(f"{self.url}/{where} holds step {header.step} rank {header.rank}")
         return header, payload
+
+    # ------------------------------------------------------------------ retention
+
+    def is_base_step(self, step: int) -> bool:
+        """Whether `step` is complete and every rank's part of it is a base: a chain starts there."""
+        world = self.complete_world_size(step)
+        return world is not None and all(
+            self.read_header(step, rank, world)[0].kind == fmt.Kind.BASE for rank in range(world)
+        )
+
+    def collect(self, keep_bases: int) -> list[int]:
+        """Delete every step older than the `keep_bases`-th newest complete base step.
+
+        Nothing a reader can still rebuild from the kept bases is touched: every part after a
+        complete base chains back no further than it.  Markers go first, so a part is never
+        committed without its blob.  Returns the deleted steps.
+        """
+        if keep_bases < 1:
+            raise ValueError(f"keep_bases must be >= 1, got {keep_bases}")
+        steps, found, cutoff = self.published_steps(), 0, None
+        for step in reversed(steps):
+            if self.is_base_step(step):
+                found += 1
+                if found == keep_bases:
+                    cutoff = step
+                    break
+        doomed = [s for s in steps if cutoff is not None and s < cutoff]
+        for step in doomed:
+            folder = fmt.step_dir(step)
+            self.delete(f"{folder}/{n}" for n in self.list(folder) if n.endswith(".commit"))
+            self._fs.rm(self._path(folder), recursive=True)
+        return doomed
 
 
 def as_store(store: str | Store, storage_options: Mapping[str, Any] | None = None) -> Store:

@@ -1,0 +1,201 @@
+"""`lightning-delta`: look at, check, export and prune a chain.
+
+    lightning-delta inspect STORE                 # the chain as a table
+    lightning-delta verify STORE [--step N]       # every link and checksum; exit 0 only if clean
+    lightning-delta materialize STORE --step N OUT.safetensors
+    lightning-delta cost STORE --regions 3 [--window W]
+    lightning-delta gc STORE --keep-bases K
+
+Every command takes `--json`.  Errors print one line and exit 2; `verify` exits 1 when it finds damage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import DeltaError
+from .loader import DeltaLoader
+from .store import Store
+
+__all__ = ["main"]
+
+
+def step_summary(store: Store, step: int) -> dict[str, Any]:
+    """One row of `inspect`: what the step's committed parts hold, from their headers alone."""
+    world = store.complete_world_size(step)
+    if world is None:
+        committed = {w: len(r) for w, r in store.committed_ranks(step).items()}
+        return {"step": step, "complete": False, "committed_ranks": committed}
+    headers, size = [], 0
+    for rank in range(world):
+        header, blob_size = store.read_header(step, rank, world)
+        headers.append(header)
+        size += blob_size
+    kinds = {h.kind.value for h in headers}
+    numel = sum(e.numel for h in headers for e in h.tensors)
+    changed = sum(e.changed for h in headers for e in h.tensors)
+    return {
+        "step": step,
+        "complete": True,
+        "kind": kinds.pop() if len(kinds) == 1 else "mixed",
+        "world_size": world,
+        "bytes": size,
+        "dense_bytes": 2 * numel,
+        "changed_fraction": changed / numel if numel else 0.0,
+        "ratio_to_full": size / (2 * numel) if numel else 0.0,
+        "created": max(h.created for h in headers),
+    }
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    rows = [step_summary(store, s) for s in store.published_steps()]
+    if args.json:
+        return _emit(rows)
+    print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
+    now = time.time()
+    for r in rows:
+        if not r["complete"]:
+            print(f"{r['step']:8d} {'-':>6} {'incomplete: ' + str(r['committed_ranks']):>40}")
+            continue
+        print(
+            f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
+            f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
+        )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    loader = DeltaLoader(args.store)
+    store = loader.store
+    complete = loader.steps()
+    steps = [args.step] if args.step is not None else complete
+    problems = []
+    for step in steps:
+        try:
+            loader.state_dict(step)
+        except DeltaError as err:
+            problems.append({"step": step, "error": type(err).__name__, "message": str(err)})
+    incomplete = [s for s in store.published_steps() if s not in complete]
+    if args.json:
+        _emit({"checked": steps, "problems": problems, "incomplete": incomplete})
+    else:
+        for p in problems:
+            print(f"step {p['step']}: {p['error']}: {p['message']}")
+        if incomplete:
+            print(f"incomplete (invisible to loaders, not damage): {incomplete}")
+        verdict = "clean" if not problems else f"{len(problems)} broken"
+        print(f"{verdict}: checked {len(steps)} steps of {store.url}")
+    return 1 if problems else 0
+
+
+def _materialize(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    loader = DeltaLoader(args.store)
+    step, tensors = loader.state_dict(args.step)
+    save_file(tensors, args.out, metadata={"step": str(step), "source": loader.store.url})
+    report = {"step": step, "tensors": len(tensors), "out": args.out}
+    if args.json:
+        return _emit(report)
+    print(f"wrote step {step} ({len(tensors)} tensors, verified) to {args.out}")
+    return 0
+
+
+def _cost(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    rows = [r for r in (step_summary(store, s) for s in store.published_steps()) if r["complete"]]
+    if not rows:
+        raise DeltaError(f"no complete step in {store.url}")
+    window = rows[-args.window :] if args.window else rows
+    w, full = len(window), window[-1]["dense_bytes"]
+    shipped = sum(r["bytes"] for r in window)
+    bases = [r for r in window if r["kind"] == "base"]
+    deltas = [r for r in window if r["kind"] != "base"]
+    f = len(bases)
+    delta = sum(r["bytes"] for r in deltas) / len(deltas) / full if deltas else 0.0
+    report = {
+        "window_steps": w,
+        "regions": args.regions,
+        "full_model_bytes": full,
+        "full_every_step": {"per_region": w * full, "total": w * full * args.regions},
+        "this_chain": {"per_region": shipped, "total": shipped * args.regions},
+        "saved_measured": 1 - shipped / (w * full),
+        "formula": {"f": f, "W": w, "delta": delta, "saved": 1 - (f + (w - f) * delta) / w},
+    }
+    if args.json:
+        return _emit(report)
+    print(f"window: {w} steps, {args.regions} regions, full model {full:,d} bytes (bf16)")
+    print(f"{'':24}{'per region':>18}{'total':>18}")
+    print(f"{'full model every step':24}{w * full:18,d}{w * full * args.regions:18,d}")
+    print(f"{'this chain':24}{shipped:18,d}{shipped * args.regions:18,d}")
+    print(f"saved (measured bytes):  {100 * report['saved_measured']:.2f}%")
+    print(
+        f"saved (1 - [f + (W - f) * delta] / W, f={f}, W={w}, delta={delta:.4f}, bases as full): "
+        f"{100 * report['formula']['saved']:.2f}%"
+    )
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    deleted = Store(args.store).collect(args.keep_bases)
+    if args.json:
+        return _emit({"deleted_steps": deleted})
+    print(f"deleted {len(deleted)} steps" + (f" ({deleted[0]}..{deleted[-1]})" if deleted else ""))
+    return 0
+
+
+def _emit(value: Any) -> int:
+    json.dump(value, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-delta", description="Look at, check, export and prune a delta chain.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str, run) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help)
+        c.add_argument("store", help="fsspec URL or local path of the chain")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.set_defaults(run=run)
+        return c
+
+    command("inspect", "the chain as a table", _inspect)
+    verify = command("verify", "check every link and checksum", _verify)
+    verify.add_argument("--step", type=int, help="check only this step (and the chain it needs)")
+    mat = command("materialize", "write a step as a safetensors file", _materialize)
+    mat.add_argument("--step", type=int, required=True)
+    mat.add_argument("out", help="output .safetensors path")
+    cost = command("cost", "traffic of this chain vs shipping the full model every step", _cost)
+    cost.add_argument("--regions", type=int, required=True, help="rollout regions that each download the chain")
+    cost.add_argument("--window", type=int, help="the last W complete steps (default: all)")
+    gc = command("gc", "delete steps older than the K newest complete bases", _gc)
+    gc.add_argument("--keep-bases", type=int, required=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (DeltaError, OSError, ValueError) as err:
+        print(f"lightning-delta {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The `lightning-delta` commands on a chain written by a real run of scripts/train.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, bitwise_equal
+from lightning_delta import DeltaLoader, Store
+from lightning_delta import format as fmt
+from lightning_delta.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "steps=12", "model.dim=32", *overrides]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("cli")
+    proc = train(tmp, "delta.base_every=5", f"store.url={tmp / 'store'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(tmp / "store")
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_hydra_overrides_reach_the_callback(chain):
+    store = Store(chain)
+    bases = [s for s in store.published_steps() if store.is_base_step(s)]
+    assert bases == [1, 6, 11]  # delta.base_every=5 from the command line
+
+
+def test_an_unknown_override_key_fails(tmp_path):
+    proc = train(tmp_path, "delta.base_evry=5", f"store.url={tmp_path / 'store'}")
+    assert proc.returncode != 0 and "base_evry" in proc.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_inspect(chain, capsys):
+    code, out, _ = run_cli(capsys, "inspect", chain, "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["kind"] for r in rows][:6] == ["base", "delta", "delta", "delta", "delta", "base"]
+    delta = rows[1]
+    assert 0 < delta["changed_fraction"] < 0.5 and delta["ratio_to_full"] < rows[0]["ratio_to_full"]
+    code, out, _ = run_cli(capsys, "inspect", chain)
+    assert code == 0 and len(out.splitlines()) == 13 and " base " in out
+
+
+def test_verify_is_clean_then_names_a_planted_corruption(chain, tmp_path, capsys):
+    assert run_cli(capsys, "verify", chain)[0] == 0
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(chain, broken)
+    blob = broken / fmt.blob_path(8, 0, 1)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x10
+    blob.write_bytes(bytes(data))
+    code, out, _ = run_cli(capsys, "verify", str(broken), "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert [p["step"] for p in report["problems"]] == [8, 9, 10]  # 11 is a base: the chain recovers
+    assert report["problems"][0]["error"] == "ChecksumError"
+    assert run_cli(capsys, "verify", str(broken), "--step", "12")[0] == 0
+
+
+def test_materialize_equals_the_loader_bit_for_bit(chain, tmp_path, capsys):
+    out = tmp_path / "step7.safetensors"
+    assert run_cli(capsys, "materialize", chain, "--step", "7", str(out))[0] == 0
+    written = load_file(out)
+    _, expected = DeltaLoader(chain).state_dict(7)
+    assert written.keys() == expected.keys()
+    assert all(bitwise_equal(written[k], expected[k]) for k in expected)
+
+
+def test_cost_matches_the_measured_chain(chain, capsys):
+    code, out, _ = run_cli(capsys, "cost", chain, "--regions", "3", "--json")
+    report = json.loads(out)
+    rows = json.loads(run_cli(capsys, "inspect", chain, "--json")[1])
+    shipped = sum(r["bytes"] for r in rows)
+    assert code == 0 and report["this_chain"] == {"per_region": shipped, "total": 3 * shipped}
+    assert report["full_every_step"]["per_region"] == 12 * rows[0]["dense_bytes"]
+    assert report["formula"]["f"] == 3 and report["formula"]["W"] == 12
+    # bases compress below full size, so the measured saving beats the formula's
+    assert report["saved_measured"] >= report["formula"]["saved"] > 0.5
+    window = json.loads(run_cli(capsys, "cost", chain, "--regions", "1", "--window", "4", "--json")[1])
+    assert window["window_steps"] == 4 and window["formula"]["f"] == 1
+
+
+def test_gc_keeps_what_the_newest_bases_need(chain, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "gc"
+    shutil.copytree(chain, copy)
+    code, out, _ = run_cli(capsys, "gc", str(copy), "--keep-bases", "2", "--json")
+    assert code == 0 and json.loads(out)["deleted_steps"] == [1, 2, 3, 4, 5]
+    loader = DeltaLoader(str(copy))
+    assert loader.steps() == list(range(6, 13))
+    for step in loader.steps():
+        assert all(
+            bitwise_equal(a, b)
+            for a, b in zip(
+                loader.state_dict(step)[1].values(), DeltaLoader(chain).state_dict(step)[1].values(), strict=True
+            )
+        )
+    assert json.loads(run_cli(capsys, "gc", str(copy), "--keep-bases", "5", "--json")[1])["deleted_steps"] == []
+
+
+def test_errors_are_one_line_and_non_zero(chain, capsys):
+    code, out, err = run_cli(capsys, "materialize", chain, "--step", "99", "/tmp/never.safetensors")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "step 99" in err
+
+
+def test_the_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "lightning_delta.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "materialize" in proc.stdout
