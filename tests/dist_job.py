@@ -74,11 +74,13 @@ def main() -> None:
     p.add_argument("--base-every", type=int, default=10)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--endpoint", help="S3 endpoint URL (a test's moto server)")
     args = p.parse_args()
     os.makedirs(args.truth, exist_ok=True)
     torch.manual_seed(0)  # same initial weights and data on every rank
     data = TensorDataset(torch.randint(0, 97, (args.steps * args.accumulate * 2 * 4, 17)))
     sharded = args.strategy == "fsdp2"
+    options = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
     strategy = (
         ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         if sharded
@@ -91,7 +93,7 @@ def main() -> None:
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         callbacks=[
-            DeltaCallback(args.store, base_every=args.base_every, submodule="model"),
+            DeltaCallback(args.store, base_every=args.base_every, submodule="model", storage_options=options),
             RecordTruth(args.truth),
         ],
         logger=False,

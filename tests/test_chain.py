@@ -158,9 +158,9 @@ class SlowStore(Store):
         super().__init__(url)
         self.delay = delay
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         time.sleep(self.delay)
-        super().write(key, data)
+        super().write(key, data, exclusive=exclusive)
 
 
 def test_coalescing_thins_published_steps_but_keeps_the_chain_exact(store_url):
@@ -193,12 +193,12 @@ class FailingStore(Store):
         self.fail_from, self.writes = fail_from, 0
         self.lock = threading.Lock()
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         with self.lock:
             self.writes += 1
             if self.writes >= self.fail_from:
                 raise OSError("connection reset by peer")
-        super().write(key, data)
+        super().write(key, data, exclusive=exclusive)
 
 
 def test_a_failing_store_surfaces_on_the_trainer_thread(store_url):

@@ -152,9 +152,9 @@ def diff(old: Tensor, new: Tensor) -> Change:
     words = (a64 != b64).nonzero().squeeze(1)
     old_lanes = a64.index_select(0, words).view(torch.int16).view(-1, 4)
     new_lanes = b64.index_select(0, words).view(torch.int16).view(-1, 4)
-    changed = old_lanes != new_lanes
-    index = (words.unsqueeze(1) * 4 + torch.arange(4, device=a.device)).masked_select(changed)
-    olds, news = old_lanes.masked_select(changed), new_lanes.masked_select(changed)
+    lane = (old_lanes != new_lanes).view(-1).nonzero().squeeze(1)
+    index = words.index_select(0, lane >> 2) * 4 + (lane & 3)
+    olds, news = old_lanes.view(-1).index_select(0, lane), new_lanes.view(-1).index_select(0, lane)
     if head < a.numel():  # the last one to three elements
         tail = (a[head:] != b[head:]).nonzero().squeeze(1) + head
         index = torch.cat([index, tail])
@@ -197,7 +197,7 @@ def pack_delta(change: Change, new: Tensor) -> Packed:
     return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, new.dtype, n, m, k, sections, alternative)
 
 
-_BOTH_BELOW = 1 << 16
+_BOTH_BELOW = 4096
 """Tensors of at most this many elements are packed both ways (norms, biases: cheap and close)."""
 
 

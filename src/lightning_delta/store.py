@@ -9,6 +9,7 @@ and renamed, so a reader never opens a half-written file either.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -45,16 +46,26 @@ class Store:
         """The object's bytes; FileNotFoundError if it does not exist."""
         return self._fs.cat_file(self._path(key))
 
-    def write(self, key: str, data: bytes) -> None:
-        """Write an object so that readers see all of it or nothing."""
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write an object so that readers see all of it or nothing.
+
+        With `exclusive`, FileExistsError if the object exists: S3 checks that atomically
+        (If-None-Match), local files through a hard link, which fails if the name is taken.
+        """
         path = self._path(key)
         if not self._local:
-            self._fs.pipe_file(path, data)
+            self._fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
             return
         self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         temp = f"{path}.tmp-{uuid.uuid4().hex}"
         self._fs.pipe_file(temp, data)
-        self._fs.mv(temp, path)
+        if not exclusive:
+            self._fs.mv(temp, path)
+            return
+        try:
+            os.link(temp, path)
+        finally:
+            os.unlink(temp)
 
     def list(self, key: str) -> list[str]:
         """Base names of the entries directly below `key`; empty if there is none."""
@@ -74,9 +85,20 @@ class Store:
     # ------------------------------------------------------------------ commit protocol
 
     def commit_part(self, step: int, rank: int, world_size: int, blob: bytes) -> None:
-        """Publish one rank's part: the blob first, then the marker that makes it count."""
-        self.write(fmt.blob_path(step, rank, world_size), blob)
-        self.write(fmt.commit_path(step, rank, world_size), fmt.encode_commit(blob))
+        """Publish one rank's part: the blob first, then the marker that makes it count.
+
+        Both are created exclusively, so two publishers can never interleave one chain: the
+        second to reach a step gets FileExistsError and the first one's part stays intact.
+        """
+        key = fmt.blob_path(step, rank, world_size)
+        try:
+            self.write(key, blob, exclusive=True)
+            self.write(fmt.commit_path(step, rank, world_size), fmt.encode_commit(blob), exclusive=True)
+        except FileExistsError:
+            raise FileExistsError(
+                f"{self.url}/{key} already exists: another publisher wrote this step of the chain; "
+                "give each run its own store prefix"
+            ) from None
 
     def committed_ranks(self, step: int) -> dict[int, set[int]]:
         """world_size -> ranks whose part of `step` is committed."""
@@ -104,8 +126,8 @@ class Store:
         where = fmt.blob_path(step, rank, world_size)
         try:
             size, _ = fmt.decode_commit(self.read(fmt.commit_path(step, rank, world_size)))
-            end = fmt.header_end(self._fs.cat_file(self._path(where), 0, fmt.PREFIX_BYTES), size)
-            return fmt.decode_header(self._fs.cat_file(self._path(where), 0, end)), size
+            end = fmt.header_end(self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES), size)
+            return fmt.decode_header(self._fs.cat_file(self._path(where), start=0, end=end)), size
         except FileNotFoundError:
             raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
 

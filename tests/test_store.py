@@ -1,0 +1,142 @@
+"""One Store conformance suite over a local directory, fsspec's memory store and a real S3
+endpoint (moto's server on 127.0.0.1, as s3fs's own tests do), plus the 2-rank run against S3."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, bitwise_equal, torchrun
+from lightning_delta import DeltaLoader, DeltaPublisher, PublishError, Store
+from lightning_delta import format as fmt
+from tinylm import TinyLM
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_endpoint) -> tuple[str, dict]:
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}, "skip_instance_cache": True}
+    bucket = f"chain-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    return f"s3://{bucket}/run", options
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    if request.param == "memory":
+        fsspec.filesystem("memory").store.clear()
+        return Store(f"memory://chain-{uuid.uuid4().hex}")
+    url, options = request.getfixturevalue("s3_url")
+    return Store(url, options)
+
+
+class TestStoreConformance:
+    def test_write_read_list_delete(self, store):
+        store.write("steps/000000000001/a", b"one")
+        store.write("steps/000000000001/b", b"two")
+        assert store.read("steps/000000000001/a") == b"one"
+        assert store.list("steps/000000000001") == ["a", "b"]
+        assert store.published_steps() == [1]
+        store.delete(["steps/000000000001/a"])
+        assert store.list("steps/000000000001") == ["b"]
+        with pytest.raises(FileNotFoundError):
+            store.read("steps/000000000001/a")
+        assert store.list("steps/000000000404") == []
+
+    def test_a_step_is_visible_only_when_every_rank_committed(self, store):
+        store.write(fmt.blob_path(3, 1, 2), fmt.encode_blob(_header(1, 2), []))  # crashed before its marker
+        store.commit_part(3, 0, 2, fmt.encode_blob(_header(0, 2), []))
+        assert store.committed_ranks(3) == {2: {0}} and store.complete_world_size(3) is None
+        for rank in (0, 1):
+            store.commit_part(4, rank, 2, fmt.encode_blob(_header(rank, 2, step=4), []))
+        assert store.complete_world_size(4) == 2
+
+    def test_a_committed_part_is_never_overwritten(self, store):
+        blob = fmt.encode_blob(_header(0, 1), [])
+        store.commit_part(3, 0, 1, blob)
+        with pytest.raises(FileExistsError):
+            store.commit_part(3, 0, 1, blob)
+
+    def test_headers_are_read_without_the_payload(self, store):
+        header = _header(0, 1)
+        store.commit_part(3, 0, 1, fmt.encode_blob(header, []))
+        got, size = store.read_header(3, 0, 1)
+        assert got == header and size == len(fmt.encode_blob(header, []))
+
+    def test_publish_and_load_end_to_end(self, store):
+        torch.manual_seed(0)
+        model = TinyLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        truth = {}
+        with DeltaPublisher(store, model, base_every=3) as pub:
+            for step in range(1, 6):
+                model(torch.randint(0, 97, (2, 9))).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                truth[step] = {
+                    k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items() if k != "scratch"
+                }
+                pub.publish(step)
+        loader = DeltaLoader(store)
+        assert loader.steps() == [1, 2, 3, 4, 5]
+        for step, expected in truth.items():
+            state = loader.state_dict(step)[1]
+            assert all(bitwise_equal(state[k], v) for k, v in expected.items())
+
+
+def _header(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
+    return fmt.PartHeader(f"r-{step:012d}", None, step, None, fmt.Kind.BASE, rank, world, 0.0)
+
+
+def test_a_second_publisher_on_the_same_steps_is_refused(tmp_path):
+    url = str(tmp_path / "store")
+    with DeltaPublisher(url, TinyLM()) as first:
+        first.publish(1)
+    second = DeltaPublisher(url, TinyLM())
+    second.publish(1)
+    with pytest.raises(PublishError, match="already"):
+        second.close()
+
+
+@pytest.mark.slow
+def test_fsdp2_run_publishes_to_s3_bit_exactly(s3_url, tmp_path):
+    url, options = s3_url
+    truth = tmp_path / "truth"
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    torchrun(
+        ROOT / "tests" / "dist_job.py",
+        url,
+        str(truth),
+        "--strategy",
+        "fsdp2",
+        "--steps",
+        "12",
+        "--base-every",
+        "5",
+        "--endpoint",
+        endpoint,
+    )
+    loader = DeltaLoader(url, storage_options=options)
+    assert loader.steps() == list(range(1, 13))
+    for step in loader.steps():
+        state = loader.state_dict(step)[1]
+        expected = load_file(truth / f"step-{step:06d}.safetensors")
+        assert all(bitwise_equal(state[k], v) for k, v in expected.items()), step
