@@ -102,3 +102,21 @@ def test_state_key_names_the_store():
 def test_the_rollout_side_never_imports_lightning():
     code = "import sys, lightning_delta.loader; assert 'lightning' not in sys.modules, 'lightning imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_metrics_reach_the_trainer_loggers(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    store = str(tmp_path / "store")
+    logger = CSVLogger(str(tmp_path), name="logs", version=0)
+    trainer(DeltaCallback(store, base_every=3, submodule="model"), max_epochs=1, logger=logger).fit(ManualLM(), data(4))
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    changed = [float(r["delta/changed_fraction"]) for r in rows if r.get("delta/changed_fraction")]
+    assert len(changed) == 4 and changed[0] == 1.0 and all(0 <= c <= 1 for c in changed)  # step 2 is a base
+    published = [float(r["delta/last_published_step"]) for r in rows if r.get("delta/last_published_step")]
+    assert published == sorted(published) and published[-1] <= 8
+    ratios = [float(r["delta/compression_ratio"]) for r in rows if r.get("delta/compression_ratio")]
+    assert all(ratio > 1 for ratio in ratios)

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from .codec import CodecOptions
 from .errors import UnsupportedStrategyError
-from .publisher import Backlog, DeltaPublisher
+from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
 from .shards import named_tensors
 
 __all__ = ["DeltaCallback"]
@@ -37,34 +37,27 @@ class DeltaCallback(Callback):
         storage_options: passed to fsspec (endpoint, credentials, retries).
         codec: compressor and level of the payloads.
         backlog: what to do when `max_pending` snapshots are waiting for upload.
+        keep_bases: keep only the steps from the `keep_bases`-th newest complete base on.
     """
 
     def __init__(
         self,
         store: str,
         base_every: int = 25,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | str = torch.bfloat16,
         *,
         submodule: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         codec: CodecOptions | None = None,
         backlog: Backlog = Backlog.BLOCK,
         max_pending: int = 2,
+        keep_bases: int | None = None,
     ) -> None:
         if not store:
             raise ValueError("store must be a URL or a local path")
-        if base_every < 1:
-            raise ValueError(f"base_every must be >= 1, got {base_every}")
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self.store, self.base_every, self.dtype, self.submodule = (
-            store,
-            base_every,
-            dtype,
-            submodule,
-        )
+        check_schedule(base_every, max_pending, keep_bases)
+        self.store, self.base_every, self.submodule = store, base_every, submodule
+        self.dtype, self.keep_bases = shipped_dtype(dtype), keep_bases
         self.storage_options = dict(storage_options or {})
         self.codec, self.backlog, self.max_pending = codec, Backlog(backlog), max_pending
         self.publisher: DeltaPublisher | None = None
@@ -114,10 +107,36 @@ class DeltaCallback(Callback):
                 max_pending=self.max_pending,
                 backlog=self.backlog,
                 run_id=self._run_id,
+                keep_bases=self.keep_bases,
             )
             rank_zero_info(f"DeltaCallback: publishing to {self.store} (base every {self.base_every} steps)")
-        self.publisher.publish(step)
+        stats = self.publisher.publish(step)
         self._last_step = step
+        if trainer.is_global_zero and trainer.loggers:
+            metrics = self._metrics(stats)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _metrics(self, stats: PublishStats) -> dict[str, float]:
+        """Rank zero's own numbers: logging them needs no collective."""
+        assert self.publisher is not None
+        metrics = {
+            "delta/changed_fraction": stats.changed / stats.numel if stats.numel else 0.0,
+            "delta/diff_ms": stats.diff_ms,
+            "delta/queue_depth": float(self.publisher.pending),
+            "delta/skipped_steps": float(self.publisher.skipped),
+        }
+        upload = self.publisher.last_upload
+        if upload is not None:  # the newest step whose upload finished, usually an earlier one
+            metrics.update(
+                {
+                    "delta/last_published_step": float(upload.step),
+                    "delta/payload_bytes": float(upload.payload_bytes),
+                    "delta/compression_ratio": upload.dense_bytes / max(upload.payload_bytes, 1),
+                    "delta/upload_ms": upload.upload_ms,
+                }
+            )
+        return metrics
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .codec import CodecOptions, Compressor
-from .publisher import Backlog
+from .format import DTYPE_NAMES
+from .publisher import Backlog, check_schedule
 
 if TYPE_CHECKING:
     from .callback import DeltaCallback
@@ -23,14 +24,14 @@ __all__ = ["DType", "DeltaConfig", "GenerateConfig", "LoaderConfig", "StoreConfi
 
 
 class DType(str, Enum):
-    """The 16-bit dtypes that can be shipped."""
+    """The 16-bit dtypes that can be shipped (the names of `format.DTYPE_NAMES`)."""
 
     bfloat16 = "bfloat16"
     float16 = "float16"
 
     @property
     def torch(self) -> torch.dtype:
-        return getattr(torch, self.value)
+        return DTYPE_NAMES[self.value]
 
 
 @dataclass
@@ -51,12 +52,11 @@ class DeltaConfig:
     backlog: Backlog = Backlog.BLOCK
     max_pending: int = 2
     """Snapshots that may wait for upload before `backlog` applies."""
+    keep_bases: int | None = None
+    """Retention: keep the steps from the `keep_bases`-th newest complete base on; None keeps all."""
 
     def __post_init__(self) -> None:
-        if self.base_every < 1:
-            raise ValueError(f"delta.base_every must be >= 1, got {self.base_every}")
-        if self.max_pending < 1:
-            raise ValueError(f"delta.max_pending must be >= 1, got {self.max_pending}")
+        check_schedule(self.base_every, self.max_pending, self.keep_bases)
 
     def callback(self, store: StoreConfig, submodule: str | None = None) -> DeltaCallback:
         """The Lightning callback this config describes."""
@@ -71,6 +71,7 @@ class DeltaConfig:
             codec=CodecOptions(self.compressor, self.level),
             backlog=self.backlog,
             max_pending=self.max_pending,
+            keep_bases=self.keep_bases,
         )
 
 

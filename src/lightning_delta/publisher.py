@@ -33,11 +33,19 @@ from .errors import PublishError
 from .shards import OwnedSlice, named_tensors, plan, read_slice
 from .store import Store, as_store
 
-__all__ = ["Backlog", "DeltaPublisher", "PublishStats"]
+__all__ = ["Backlog", "DeltaPublisher", "PublishStats", "UploadStats", "check_schedule", "shipped_dtype"]
 
 log = logging.getLogger(__name__)
 
 TensorSource = nn.Module | Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]]
+
+
+def shipped_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """`dtype` (a torch dtype or its name, as config files spell it), checked to be shippable."""
+    resolved = fmt.DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in fmt.DTYPE_NAMES.values():
+        raise ValueError(f"dtype must be one of {sorted(fmt.DTYPE_NAMES)}, got {dtype}")
+    return resolved
 
 
 class Backlog(str, Enum):
@@ -58,6 +66,16 @@ class PublishStats:
     numel: int  # elements of this rank's slices
     host_bytes: int  # packed bytes copied to the host
     diff_ms: float  # calling-thread time, diff + pack + copy
+
+
+@dataclass(frozen=True)
+class UploadStats:
+    """What the worker thread did for one published step."""
+
+    step: int
+    payload_bytes: int  # tensor payloads, compressed
+    dense_bytes: int  # the same slices as plain `dtype`
+    upload_ms: float  # compress, hash and commit
 
 
 @dataclass
@@ -85,6 +103,8 @@ class DeltaPublisher:
         process_group: the ranks that share the upload; default the world group if initialised.
         run_id: shared by all ranks of one run; broadcast from rank 0 when not given.
         backlog: policy when `max_pending` snapshots already wait for upload.
+        keep_bases: if set, rank 0 deletes the steps older than the `keep_bases`-th newest
+            complete base after each base it commits (see `Store.collect`).
     """
 
     def __init__(
@@ -93,22 +113,19 @@ class DeltaPublisher:
         tensors: TensorSource,
         *,
         base_every: int = 25,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | str = torch.bfloat16,
         process_group: dist.ProcessGroup | None = None,
         storage_options: Mapping[str, Any] | None = None,
         codec_options: codec.CodecOptions | None = None,
         max_pending: int = 2,
         backlog: Backlog = Backlog.BLOCK,
         run_id: str | None = None,
+        keep_bases: int | None = None,
     ) -> None:
-        if base_every < 1:
-            raise ValueError(f"base_every must be >= 1, got {base_every}")
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        check_schedule(base_every, max_pending, keep_bases)
         self.store = as_store(store, storage_options)
-        self.base_every, self.dtype, self.backlog = base_every, dtype, Backlog(backlog)
+        self.base_every, self.dtype, self.backlog = base_every, shipped_dtype(dtype), Backlog(backlog)
+        self.keep_bases = keep_bases
         self.codec_options = codec_options or codec.CodecOptions()
         self._source = _as_source(tensors)
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -121,6 +138,7 @@ class DeltaPublisher:
         self._last_base: int | None = None
         self._prev_snapshot_id: str | None = None
         self.skipped = 0
+        self.last_upload: UploadStats | None = None
         self._error: BaseException | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._worker = threading.Thread(target=self._upload_loop, name="delta-upload", daemon=True)
@@ -195,6 +213,11 @@ class DeltaPublisher:
         numel = sum(c.spec.numel for c in cache)
         return PublishStats(step, True, kind, changed_total, numel, host_bytes, diff_ms)
 
+    @property
+    def pending(self) -> int:
+        """Snapshots queued for upload and not yet committed."""
+        return self._jobs.unfinished_tasks
+
     def flush(self) -> None:
         """Wait until every queued snapshot is in the store; raise if an upload failed."""
         self._jobs.join()
@@ -238,6 +261,7 @@ class DeltaPublisher:
                 self._jobs.task_done()
 
     def _upload(self, job: _Job) -> None:
+        started = time.perf_counter()
         payloads = [codec.serialize(p, self.codec_options) for p in job.packed]
         entries, offset = [], 0
         for entry, payload in zip(job.header.tensors, payloads, strict=True):
@@ -246,6 +270,20 @@ class DeltaPublisher:
         header = fmt.PartHeader(**{**job.header.__dict__, "tensors": tuple(entries)})
         blob = fmt.encode_blob(header, payloads)
         self.store.commit_part(header.step, header.rank, header.world_size, blob)
+        if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
+            self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
+        dense = sum(e.numel for e in header.tensors) * self.dtype.itemsize
+        self.last_upload = UploadStats(header.step, offset, dense, (time.perf_counter() - started) * 1e3)
+
+
+def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) -> None:
+    """The argument checks shared by the publisher, the callback and the config."""
+    if base_every < 1:
+        raise ValueError(f"base_every must be >= 1, got {base_every}")
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+    if keep_bases is not None and keep_bases < 1:
+        raise ValueError(f"keep_bases must be >= 1 or None, got {keep_bases}")
 
 
 def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
