@@ -50,3 +50,22 @@ def test_retention_keeps_the_newest_bases_while_publishing(tmp_path):
     loader = DeltaLoader(url)
     for step in loader.steps():
         loader.state_dict(step)  # everything kept still rebuilds and verifies
+
+
+def test_groups_compose_and_typos_fail():
+    from hydra import compose, initialize_config_module
+
+    from lightning_delta.config import TrainConfig, register_configs
+
+    register_configs()
+    with initialize_config_module("lightning_delta.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["store=s3", "store.url=s3://bucket/run1", "delta.base_every=10"])
+        train = OmegaConf.to_object(cfg)
+        assert isinstance(train, TrainConfig)
+        assert (train.store.url, train.delta.base_every, train.delta.dtype) == ("s3://bucket/run1", 10, DType.bfloat16)
+        generate = compose("generate", overrides=["loader.device=cuda"])
+        assert generate.loader.device == "cuda"
+        with pytest.raises(Exception, match="base_evry"):
+            compose("train", overrides=["delta.base_evry=10"])
+        with pytest.raises(Exception, match="backlog"):
+            OmegaConf.to_object(compose("train", overrides=["delta.backlog=sometimes"]))

@@ -120,3 +120,4 @@ def register_configs() -> None:
     cs.store(name="generate_schema", node=GenerateConfig)
     cs.store(group="store", name="store_schema", node=StoreConfig)
     cs.store(group="delta", name="delta_schema", node=DeltaConfig)
+    cs.store(group="loader", name="loader_schema", node=LoaderConfig)
