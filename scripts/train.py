@@ -49,6 +49,9 @@ class PolicyModule(pl.LightningModule):
 @hydra.main(version_base="1.3", config_path="pkg://lightning_delta.conf", config_name="train")
 def main(raw: DictConfig) -> None:
     cfg: TrainConfig = OmegaConf.to_object(raw)
+    store = Store(cfg.store.url, cfg.store.storage_options)
+    if store.published_steps():
+        raise SystemExit(f"{store.url} already holds a chain; a run needs a prefix of its own (store.url=...)")
     pl.seed_everything(cfg.seed)
     tokens = torch.randint(0, cfg.model.vocab, (cfg.steps * cfg.batch_size, cfg.model.context + 1))
     trainer = pl.Trainer(
@@ -61,7 +64,7 @@ def main(raw: DictConfig) -> None:
         enable_model_summary=False,
     )
     trainer.fit(PolicyModule(cfg), DataLoader(TensorDataset(tokens), batch_size=cfg.batch_size))
-    summarize(Store(cfg.store.url, cfg.store.storage_options))
+    summarize(store)
 
 
 def summarize(store: Store) -> None:
