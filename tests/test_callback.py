@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import bitwise_equal
-from lightning_delta import DeltaCallback, DeltaLoader, UnsupportedStrategyError
+from lightning_delta import DeltaCallback, DeltaLoader, PublishError, Store, UnsupportedStrategyError
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
@@ -46,16 +46,16 @@ class ManualLM(pl.LightningModule):
         return torch.optim.AdamW(params[::2], lr=1e-4), torch.optim.AdamW(params[1::2], lr=1e-4)
 
 
-def trainer(callback: DeltaCallback, **kwargs) -> pl.Trainer:
+def trainer(callback: DeltaCallback, *more: pl.Callback, **kwargs) -> pl.Trainer:
     defaults = dict(
         accelerator="cpu",
         devices=1,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(more),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    return pl.Trainer(callbacks=[callback], **{**defaults, **kwargs})
+    return pl.Trainer(callbacks=[callback, *more], **{**defaults, **kwargs})
 
 
 def data(batches: int) -> DataLoader:
@@ -120,3 +120,71 @@ def test_metrics_reach_the_trainer_loggers(tmp_path):
     assert published == sorted(published) and published[-1] <= 8
     ratios = [float(r["delta/compression_ratio"]) for r in rows if r.get("delta/compression_ratio")]
     assert all(ratio > 1 for ratio in ratios)
+
+
+class AutoLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+        self.truth: dict[int, dict[str, torch.Tensor]] = {}
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()}
+        self.truth[self.trainer.global_step] = state
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _train_and_resume(tmp_path, first_steps: int) -> tuple[str, dict, dict]:
+    """Train to `first_steps` with a checkpoint at 15, then resume from it to 30."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    store, ckpts = str(tmp_path / "store"), tmp_path / "ckpt"
+    torch.manual_seed(0)
+    first = AutoLM()
+    save = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=15, save_top_k=-1)
+    trainer(DeltaCallback(store, base_every=10, submodule="model"), save, max_steps=first_steps).fit(first, data(40))
+    second = AutoLM()
+    resume = ModelCheckpoint(dirpath=tmp_path / "ckpt2")
+    ckpt = next(ckpts.glob("*step=15*.ckpt"))
+    trainer(DeltaCallback(store, base_every=10, submodule="model"), resume, max_steps=30).fit(
+        second, data(40), ckpt_path=str(ckpt)
+    )
+    return store, first.truth, second.truth
+
+
+def test_a_resumed_run_continues_the_chain_bit_exactly(tmp_path):
+    store, before, after = _train_and_resume(tmp_path, first_steps=15)
+    loader = DeltaLoader(store)
+    assert loader.steps() == list(range(1, 31))
+    truth = {**{s: t for s, t in before.items() if s <= 15}, **{s: t for s, t in after.items() if s > 15}}
+    for step in loader.steps():
+        state = loader.state_dict(step)[1]
+        assert all(bitwise_equal(state[n], t) for n, t in truth[step].items()), step
+    assert Store(store).is_base_step(16)  # the cache is not in the checkpoint: a new base
+
+
+def test_after_a_crash_past_the_checkpoint_the_chain_stays_consistent(tmp_path):
+    store, before, after = _train_and_resume(tmp_path, first_steps=20)  # 16..20 published, then "crash"
+    loader = DeltaLoader(store)
+    assert loader.steps() == list(range(1, 31))
+    truth = {**{s: t for s, t in before.items() if s <= 20}, **{s: t for s, t in after.items() if s > 20}}
+    for step in loader.steps():
+        state = loader.state_dict(step)[1]
+        assert all(bitwise_equal(state[n], t) for n, t in truth[step].items()), step
+    assert Store(store).is_base_step(21)
+
+
+def test_a_fresh_run_on_a_used_store_is_refused_before_training(tmp_path):
+    store = str(tmp_path / "store")
+    trainer(DeltaCallback(store, submodule="model"), max_steps=2).fit(AutoLM(), data(4))
+    module = AutoLM()
+    with pytest.raises(PublishError, match="already holds steps up to 2"):
+        trainer(DeltaCallback(store, submodule="model"), max_steps=2).fit(module, data(4))
+    assert module.truth == {}  # not a single step trained

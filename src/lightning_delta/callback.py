@@ -14,9 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from .codec import CodecOptions
-from .errors import UnsupportedStrategyError
+from .errors import PublishError, UnsupportedStrategyError
 from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
 from .shards import named_tensors
+from .store import Store
 
 __all__ = ["DeltaCallback"]
 
@@ -79,7 +80,23 @@ class DeltaCallback(Callback):
                 "use ModelParallelStrategy with torch.distributed.fsdp.fully_shard (FSDP2) in "
                 "configure_model instead"
             )
-        self._run_id = trainer.strategy.broadcast(uuid.uuid4().hex)  # the only collective
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a checkpoint is restored, so `global_step` tells a fresh run from a resumed one."""
+        if trainer.fast_dev_run:  # publishes nothing
+            return
+        last = 0
+        if trainer.is_global_zero:
+            steps = Store(self.store, self.storage_options).published_steps()
+            last = steps[-1] if steps else 0
+        # The only collective: one run id for all ranks, and where the store already ends.
+        self._run_id, last = trainer.strategy.broadcast((uuid.uuid4().hex, last))
+        if last and trainer.global_step == 0:
+            raise PublishError(f"{self.store} already holds steps up to {last}; give each run a prefix of its own")
+        # Resuming: steps up to `last` may come from after the checkpoint (a crash); the new
+        # trajectory publishes only past them, starting with a base, so loaders see one chain.
+        self._last_step = max(last, trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -93,7 +110,7 @@ class DeltaCallback(Callback):
         if trainer.sanity_checking or trainer.fast_dev_run:
             return
         step = trainer.global_step
-        if step <= self._last_step:  # no optimizer step in this batch (gradient accumulation)
+        if step <= self._last_step:  # no optimizer step yet (accumulation), or already in the store
             return
         if self.publisher is None:
             module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
