@@ -18,6 +18,7 @@ from .errors import (
     SnapshotNotFoundError,
     UnsupportedStrategyError,
 )
+from .follow import FollowedStep
 from .loader import DeltaLoader, LoadReport
 from .publisher import Backlog, DeltaPublisher
 from .store import Store
@@ -35,6 +36,7 @@ __all__ = [
     "DeltaError",
     "DeltaLoader",
     "DeltaPublisher",
+    "FollowedStep",
     "FormatError",
     "LoadReport",
     "ModelMismatchError",

@@ -10,7 +10,7 @@ mismatch raises and leaves the loader's state, and any module, as it was.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +27,11 @@ from .errors import (
     ModelMismatchError,
     SnapshotNotFoundError,
 )
+from .follow import FollowedStep, follow
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
-__all__ = ["DeltaLoader", "LoadReport"]
+__all__ = ["DeltaLoader", "LoadReport", "copy_into"]
 
 
 @dataclass(frozen=True)
@@ -117,18 +118,27 @@ class DeltaLoader:
         Nothing is copied unless every name and shape matches.
         """
         step, tensors = self.state_dict(step)
-        targets = named_tensors(module)
-        missing, unexpected = sorted(targets.keys() - tensors), sorted(tensors.keys() - targets)
-        wrong = [n for n in targets.keys() & tensors if targets[n].shape != tensors[n].shape]
-        if missing or unexpected or wrong:
-            raise ModelMismatchError(
-                f"step {step} does not fit {type(module).__name__}: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
-            )
-        with torch.no_grad():
-            for name, target in targets.items():
-                target.copy_(tensors[name])
+        copy_into(module, tensors, step)
         return step
+
+    def follow(
+        self,
+        *,
+        poll_seconds: float = 1.0,
+        prefetch: int = 1,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[FollowedStep]:
+        """Watch the store and yield each newer complete step, verified, as a `FollowedStep`.
+
+        The next step is fetched and rebuilt in the background while the caller works on the
+        current one (`prefetch` steps at most).  A follower that fell behind skips to the newest
+        step; one whose chain broke waits for the next step that rebuilds.  `max_staleness` logs
+        a warning when a handed-out step is more than that many published steps behind; `timeout`
+        ends the iteration after that many seconds without a new step.  While following, the
+        loader's other methods must not be called from another thread.
+        """
+        return follow(self, poll_seconds=poll_seconds, prefetch=prefetch, max_staleness=max_staleness, timeout=timeout)
 
     # ------------------------------------------------------------------ reconstruction
 
@@ -208,6 +218,21 @@ class DeltaLoader:
                 )
             slices[entry.name] = _Slice(entry, new, value)
         return _RankState(header, slices)
+
+
+def copy_into(module: nn.Module, tensors: Mapping[str, Tensor], step: int) -> None:
+    """Copy verified full tensors into `module` in place; nothing is copied unless all fit."""
+    targets = named_tensors(module)
+    missing, unexpected = sorted(targets.keys() - tensors.keys()), sorted(tensors.keys() - targets.keys())
+    wrong = [n for n in targets.keys() & tensors.keys() if targets[n].shape != tensors[n].shape]
+    if missing or unexpected or wrong:
+        raise ModelMismatchError(
+            f"step {step} does not fit {type(module).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(tensors[name])
 
 
 def _assemble(states: list[_RankState]) -> dict[str, Tensor]:

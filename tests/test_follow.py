@@ -1,0 +1,107 @@
+"""DeltaLoader.follow against a chain that is being written by a publisher in another thread."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from conftest import bitwise_equal
+from lightning_delta import DeltaLoader, DeltaPublisher
+from lightning_delta import format as fmt
+from lightning_delta.shards import named_tensors
+from tinylm import TinyLM
+
+
+class Trainer:
+    """Publishes steps of a TinyLM on demand and remembers the true bf16 state of each."""
+
+    def __init__(self, url: str, base_every: int = 5) -> None:
+        torch.manual_seed(0)
+        self.model, self.truth, self.step = TinyLM(), {}, 0
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.publisher = DeltaPublisher(url, self.model, base_every=base_every)
+
+    def steps(self, count: int, pause: float = 0.0) -> None:
+        for _ in range(count):
+            self.step += 1
+            self.model(torch.randint(0, 97, (2, 9))).square().mean().backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.truth[self.step] = {
+                k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()
+            }
+            self.publisher.publish(self.step)
+            self.publisher.flush()
+            time.sleep(pause)
+
+
+def assert_exact(followed, truth) -> None:
+    assert all(bitwise_equal(followed.tensors[n], t) for n, t in truth[followed.step].items()), followed.step
+
+
+def test_a_follower_keeps_up_with_a_live_chain(store_url):
+    trainer = Trainer(store_url)
+    writer = threading.Thread(target=trainer.steps, args=(12, 0.05))
+    writer.start()
+    seen = []
+    for followed in DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=1.0):
+        assert_exact(followed, trainer.truth)
+        seen.append(followed.step)
+    writer.join()
+    trainer.publisher.close()
+    assert seen == sorted(set(seen)) and seen[-1] == 12
+    assert len(seen) >= 6  # it followed the chain, not just its end
+
+
+def test_a_follower_that_fell_behind_jumps_to_the_newest_step_and_reports_it(store_url):
+    trainer = Trainer(store_url)
+    trainer.steps(7)
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=0.5)
+    first = next(follower)
+    assert first.step == 7 and first.behind == 0  # the newest, not step 1
+    assert_exact(first, trainer.truth)
+    trainer.steps(3)  # the caller is "generating" meanwhile; its prefetched step goes stale
+    second = next(follower)
+    assert second.step in (8, 9, 10)
+    assert second.behind == 10 - second.step
+    rest = [f.step for f in follower]
+    assert (rest[-1] if rest else second.step) == 10
+    trainer.publisher.close()
+
+
+def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store_url, caplog):
+    trainer = Trainer(store_url, base_every=5)  # bases at 1, 6, 11
+    trainer.steps(9)
+    shutil.rmtree(Path(store_url, fmt.step_dir(8)))  # steps 9 and 10 cannot rebuild
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=1.0)
+    caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
+    threading.Timer(0.3, trainer.steps, args=(3,)).start()  # 10 (broken), 11 (base), 12
+    seen = list(follower)
+    trainer.publisher.close()
+    assert [f.step for f in seen] in ([11, 12], [12])  # never 9 or 10, whose chain lost step 8
+    for f in seen:
+        assert_exact(f, trainer.truth)
+    assert seen[0].skipped[0] == 9 and set(seen[0].skipped) <= {9, 10}
+    assert any("does not rebuild" in r.message for r in caplog.records)
+
+
+def test_a_corrupt_step_never_reaches_the_live_model(store_url):
+    trainer = Trainer(store_url, base_every=100)
+    trainer.steps(3)
+    live = TinyLM()
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=0.5)
+    next(follower).apply_to(live)
+    before = {k: v.detach().clone() for k, v in live.state_dict().items()}
+    trainer.steps(1)
+    blob = Path(store_url, fmt.blob_path(4, 0, 1))
+    data = bytearray(blob.read_bytes())
+    data[-2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    assert [f.step for f in follower] == []  # step 4 is refused, nothing newer arrives
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+    trainer.publisher.close()
