@@ -105,3 +105,26 @@ def test_a_corrupt_step_never_reaches_the_live_model(store_url):
     assert [f.step for f in follower] == []  # step 4 is refused, nothing newer arrives
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
     trainer.publisher.close()
+
+
+def test_a_poll_lists_a_constant_number_of_folders(store_url):
+    from lightning_delta import Store
+
+    class CountingStore(Store):
+        listings = 0
+
+        def list(self, key: str) -> list[str]:
+            CountingStore.listings += 1
+            return super().list(key)
+
+    trainer = Trainer(store_url)
+    trainer.steps(20)
+    loader = DeltaLoader(CountingStore(store_url))
+    assert loader.steps() == list(range(1, 21))
+    CountingStore.listings = 0
+    loader.steps()
+    assert CountingStore.listings == 1  # steps/ only: every step is known complete
+    trainer.steps(1)
+    CountingStore.listings = 0
+    assert loader.steps()[-1] == 21 and CountingStore.listings == 2  # steps/ and the new step
+    trainer.publisher.close()

@@ -78,11 +78,22 @@ class DeltaLoader:
         self.device = torch.device(device)
         self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
         self._fetched: list[fmt.PartHeader] = []
+        self._complete: dict[int, int] = {}  # step -> world size, for steps seen complete
         self.last_report: LoadReport | None = None
 
     def steps(self) -> list[int]:
-        """Steps whose every rank part is committed, ascending."""
-        return [s for s in self.store.published_steps() if self.store.complete_world_size(s)]
+        """Steps whose every rank part is committed, ascending.
+
+        Parts are never rewritten, so a step seen complete stays complete until it is deleted:
+        a poll lists `steps/` and only the step folders not yet seen complete.
+        """
+        listed = self.store.published_steps()
+        present = set(listed)  # steps deleted by retention drop out
+        self._complete = {s: w for s, w in self._complete.items() if s in present}
+        for step in listed:
+            if step not in self._complete and (world := self.store.complete_world_size(step)):
+                self._complete[step] = world
+        return [s for s in listed if s in self._complete]
 
     def state_dict(self, step: int | None = None) -> tuple[int, dict[str, Tensor]]:
         """(step, full tensors by name) of a complete step, `None` for the latest one, verified."""
@@ -91,7 +102,7 @@ class DeltaLoader:
             if not steps:
                 raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
             step = steps[-1]
-        world = self.store.complete_world_size(step)
+        world = self._complete.get(step) or self.store.complete_world_size(step)
         if world is None:
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
         started, self._fetched = time.perf_counter(), []
