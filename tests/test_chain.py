@@ -238,3 +238,20 @@ def test_a_step_with_a_foreign_object_is_refused(store_url):
     store.write(fmt.commit_path(1, 0, 1), fmt.encode_commit(foreign))
     with pytest.raises(FormatError, match="not a lightning_delta part"):
         DeltaLoader(store_url).state_dict(1)
+
+
+def test_a_snapshot_that_fails_halfway_makes_the_next_publish_a_base(store_url):
+    from lightning_delta import UnsupportedStrategyError
+
+    tensors = {"a": torch.zeros(8), "b": torch.zeros(8)}
+    with DeltaPublisher(store_url, lambda: tensors, base_every=100) as pub:
+        pub.publish(1)
+        tensors["a"] = torch.ones(8)  # "a" is snapshotted first ...
+        tensors["b"] = torch.zeros(9)  # ... then "b" fails: "a"'s cache now holds an unpublished step
+        with pytest.raises(UnsupportedStrategyError, match="changed shape"):
+            pub.publish(2)
+        tensors["b"] = torch.zeros(8)
+        pub.publish(3)
+    assert Store(store_url).read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
+    step, state = DeltaLoader(store_url).state_dict()
+    assert step == 3 and torch.equal(state["a"], torch.ones(8, dtype=torch.bfloat16))

@@ -162,6 +162,43 @@ class DeltaPublisher:
         cache = self._cache or [
             _Cached(spec, torch.empty(0), 0) for spec in plan(dict(tensors), self.rank, self.world_size)
         ]
+        try:
+            entries, packed_all, changed_total = self._snapshot(cache, tensors, is_base)
+        except BaseException:
+            self._cache = None  # some slices may hold a step that was never published: rebase
+            raise
+        self._cache = cache
+        kind = fmt.Kind.BASE if is_base else fmt.Kind.DELTA
+        snapshot_id = f"{self.run_id}-{step:012d}"
+        header = fmt.PartHeader(
+            snapshot_id=snapshot_id,
+            prev_snapshot_id=None if is_base else self._prev_snapshot_id,
+            step=step,
+            prev_step=None if is_base else self._last_step,
+            kind=kind,
+            rank=self.rank,
+            world_size=self.world_size,
+            created=time.time(),
+            tensors=tuple(entries),
+        )
+        diff_ms = (time.perf_counter() - started) * 1e3
+        self._jobs.put(_Job(header, packed_all))  # blocks only under Backlog.BLOCK
+        self._last_step, self._prev_snapshot_id = step, snapshot_id
+        if is_base:
+            self._last_base = step
+        host_bytes = sum(s.numel() for p in packed_all for s in p.sections)
+        numel = sum(c.spec.numel for c in cache)
+        return PublishStats(step, True, kind, changed_total, numel, host_bytes, diff_ms)
+
+    @property
+    def pending(self) -> int:
+        """Snapshots queued for upload and not yet committed."""
+        return self._jobs.unfinished_tasks
+
+    def _snapshot(
+        self, cache: list[_Cached], tensors: Mapping[str, Tensor], is_base: bool
+    ) -> tuple[list[fmt.TensorEntry], list[codec.Packed], int]:
+        """Diff (or copy, for a base) every slice on its device and pack it for the host."""
         entries, packed_all, changed_total = [], [], 0
         for cached in cache:
             spec = cached.spec
@@ -190,33 +227,7 @@ class DeltaPublisher:
                     changed,
                 )
             )
-        self._cache = cache
-        kind = fmt.Kind.BASE if is_base else fmt.Kind.DELTA
-        snapshot_id = f"{self.run_id}-{step:012d}"
-        header = fmt.PartHeader(
-            snapshot_id=snapshot_id,
-            prev_snapshot_id=None if is_base else self._prev_snapshot_id,
-            step=step,
-            prev_step=None if is_base else self._last_step,
-            kind=kind,
-            rank=self.rank,
-            world_size=self.world_size,
-            created=time.time(),
-            tensors=tuple(entries),
-        )
-        diff_ms = (time.perf_counter() - started) * 1e3
-        self._jobs.put(_Job(header, packed_all))  # blocks only under Backlog.BLOCK
-        self._last_step, self._prev_snapshot_id = step, snapshot_id
-        if is_base:
-            self._last_base = step
-        host_bytes = sum(s.numel() for p in packed_all for s in p.sections)
-        numel = sum(c.spec.numel for c in cache)
-        return PublishStats(step, True, kind, changed_total, numel, host_bytes, diff_ms)
-
-    @property
-    def pending(self) -> int:
-        """Snapshots queued for upload and not yet committed."""
-        return self._jobs.unfinished_tasks
+        return entries, packed_all, changed_total
 
     def flush(self) -> None:
         """Wait until every queued snapshot is in the store; raise if an upload failed."""
