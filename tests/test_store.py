@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, bitwise_equal, torchrun
-from lightning_delta import DeltaLoader, DeltaPublisher, PublishError, Store
+from lightning_delta import DeltaLoader, DeltaPublisher, FormatError, PublishError, Store
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -140,3 +140,13 @@ def test_fsdp2_run_publishes_to_s3_bit_exactly(s3_url, tmp_path):
         state = loader.state_dict(step)[1]
         expected = load_file(truth / f"step-{step:06d}.safetensors")
         assert all(bitwise_equal(state[k], v) for k, v in expected.items()), step
+
+
+def test_a_part_copied_to_another_step_is_refused_by_both_readers(tmp_path):
+    store = Store(str(tmp_path / "store"))
+    blob = fmt.encode_blob(_header(0, 1), [])
+    store.commit_part(3, 0, 1, blob)
+    store.commit_part(4, 0, 1, blob)  # step 3's part, stored as step 4
+    for read in (store.read_part, store.read_header):
+        with pytest.raises(FormatError, match="holds step 3"):
+            read(4, 0, 1)

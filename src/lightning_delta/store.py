@@ -127,9 +127,10 @@ class Store:
         try:
             size, _ = fmt.decode_commit(self.read(fmt.commit_path(step, rank, world_size)))
             end = fmt.header_end(self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES), size)
-            return fmt.decode_header(self._fs.cat_file(self._path(where), start=0, end=end)), size
+            header = fmt.decode_header(self._fs.cat_file(self._path(where), start=0, end=end))
         except FileNotFoundError:
             raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
+        return self._placed(header, step, rank, world_size), size
 
     def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
         """A committed part, checked against its marker, with its header validated."""
@@ -145,9 +146,14 @@ class Store:
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
         fmt.verify_blob(blob, size, digest, f"{self.url}/{where}")
         header, payload = fmt.decode_blob(blob)
+        return self._placed(header, step, rank, world_size), payload
+
+    def _placed(self, header: fmt.PartHeader, step: int, rank: int, world_size: int) -> fmt.PartHeader:
+        """`header`, if it belongs where it was found (a copied or foreign object does not)."""
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
-            raise FormatError(f"{self.url}/{where} holds step {header.step} rank {header.rank}")
-        return header, payload
+            where = fmt.blob_path(step, rank, world_size)
+            raise FormatError(f"{self.url}/{where} holds step {header.step} rank {header.rank} of {header.world_size}")
+        return header
 
     # ------------------------------------------------------------------ retention
 
