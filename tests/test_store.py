@@ -150,3 +150,12 @@ def test_a_part_copied_to_another_step_is_refused_by_both_readers(tmp_path):
     for read in (store.read_part, store.read_header):
         with pytest.raises(FormatError, match="holds step 3"):
             read(4, 0, 1)
+
+
+def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tmp_path):
+    """Lightning saves checkpoints inside `fs.transaction` on fsspec's cached local instance; our
+    upload thread must keep committing meanwhile (it used to fail with FileNotFoundError)."""
+    store = Store(str(tmp_path / "store"))
+    with fsspec.filesystem("file").transaction:
+        store.commit_part(3, 0, 1, fmt.encode_blob(_header(0, 1), []))
+        assert store.complete_world_size(3) == 1

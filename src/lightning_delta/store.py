@@ -32,7 +32,10 @@ class Store:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
-        self._fs, self._root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        # An instance of our own: fsspec caches and shares instances, and a transaction opened on a
+        # shared one (Lightning saves checkpoints inside `fs.transaction`) would defer our writes.
+        options = {"skip_instance_cache": True, **(storage_options or {})}
+        self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
         self._root = self._root.rstrip("/")
         self._local = isinstance(self._fs, LocalFileSystem)
 
