@@ -37,3 +37,20 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)) * self.logit_scale[0]
+
+
+def tiny_llama(vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 2, context: int = 16) -> nn.Module:
+    """A Hugging Face `LlamaForCausalLM` built from a config (no download), for the rollout side."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)

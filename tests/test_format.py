@@ -9,7 +9,8 @@ from lightning_delta.errors import ChecksumError, FormatError
 
 
 def header(**changes) -> fmt.PartHeader:
-    entry = fmt.TensorEntry("w", "bfloat16", (2, 3), 0, 6, 0, 4, "00000000000000ff", 6)
+    entry = fmt.TensorEntry("w", "bfloat16", (2, 3), 0, 6, 0, 0)
+    payload = fmt.PayloadEntry(0, 4, 6, "00000000000000ff", 6)
     base = dict(
         snapshot_id="run-000000000001",
         prev_snapshot_id=None,
@@ -20,6 +21,7 @@ def header(**changes) -> fmt.PartHeader:
         world_size=1,
         created=1.5,
         tensors=(entry,),
+        payloads=(payload,),
     )
     return fmt.PartHeader(**{**base, **changes})
 
@@ -33,9 +35,9 @@ def test_blob_round_trip():
 
 def test_blob_layout_is_magic_length_json_payload():
     blob = fmt.encode_blob(header(), [b"abcd"])
-    assert blob[:8] == b"LDELTA\x00\x01"
+    assert blob[:8] == b"LDELTA\x00\x02"
     size = int.from_bytes(blob[8:16], "little")
-    assert json.loads(blob[16 : 16 + size])["format"] == "lightning_delta/1"
+    assert json.loads(blob[16 : 16 + size])["format"] == "lightning_delta/2"
     assert blob[16 + size :] == b"abcd"
 
 
@@ -53,9 +55,16 @@ def test_blob_layout_is_magic_length_json_payload():
         (lambda d: d.update(kind="delta"), "prev"),
         (lambda d: d["tensors"][0].update(dtype="float32"), "entry"),
         (lambda d: d["tensors"][0].update(numel=7), "entry"),
-        (lambda d: d["tensors"][0].update(checksum="xyz"), "entry"),
-        (lambda d: d["tensors"][0].update(length=5), "payload area"),
-        (lambda d: d["tensors"][0].update(offset=1), "starts at"),
+        (lambda d: d["tensors"][0].update(start=1), "entry"),
+        (lambda d: d["tensors"][0].update(payload=1), "next slice"),
+        (lambda d: d["tensors"][0].update(at=2), "next slice"),
+        (lambda d: d["tensors"].append({**d["tensors"][0], "name": "v", "dtype": "float16", "at": 6}), "mixes"),
+        (lambda d: d["payloads"][0].update(numel=7), "holds 7 elements"),
+        (lambda d: d["payloads"][0].update(changed=7), "payload entry"),
+        (lambda d: d["payloads"][0].update(checksum="xyz"), "payload entry"),
+        (lambda d: d["payloads"][0].pop("checksum"), "payload entry keys"),
+        (lambda d: d["payloads"][0].update(length=5), "payload area"),
+        (lambda d: d["payloads"][0].update(offset=1), "starts at"),
     ],
 )
 def test_strict_header_parsing(mutate, message):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +39,10 @@ class DeltaCallback(Callback):
         codec: compressor and level of the payloads.
         backlog: what to do when `max_pending` snapshots are waiting for upload.
         keep_bases: keep only the steps from the `keep_bases`-th newest complete base on.
+        probe: called with the LightningModule after each optimizer step, on every rank (so it
+            may run a sharded forward); its tensor, the log-probs of a fixed probe batch, is
+            published with the step for rollout workers to compare against (see
+            `DeltaPublisher.publish`).
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class DeltaCallback(Callback):
         backlog: Backlog = Backlog.BLOCK,
         max_pending: int = 2,
         keep_bases: int | None = None,
+        probe: Callable[[pl.LightningModule], torch.Tensor] | None = None,
     ) -> None:
         if not store:
             raise ValueError("store must be a URL or a local path")
@@ -61,6 +66,7 @@ class DeltaCallback(Callback):
         self.dtype, self.keep_bases = shipped_dtype(dtype), keep_bases
         self.storage_options = dict(storage_options or {})
         self.codec, self.backlog, self.max_pending = codec, Backlog(backlog), max_pending
+        self.probe = probe
         self.publisher: DeltaPublisher | None = None
         self._run_id: str | None = None
         self._last_step = 0
@@ -127,7 +133,11 @@ class DeltaCallback(Callback):
                 keep_bases=self.keep_bases,
             )
             rank_zero_info(f"DeltaCallback: publishing to {self.store} (base every {self.base_every} steps)")
-        stats = self.publisher.publish(step)
+        probe = None
+        if self.probe is not None:
+            with torch.no_grad():
+                probe = self.probe(pl_module)
+        stats = self.publisher.publish(step, probe)
         self._last_step = step
         if trainer.is_global_zero and trainer.loggers:
             metrics = self._metrics(stats)

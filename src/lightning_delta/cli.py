@@ -37,8 +37,8 @@ def step_summary(store: Store, step: int) -> dict[str, Any]:
         headers.append(header)
         size += blob_size
     kinds = {h.kind.value for h in headers}
-    numel = sum(e.numel for h in headers for e in h.tensors)
-    changed = sum(e.changed for h in headers for e in h.tensors)
+    numel = sum(h.numel for h in headers)
+    changed = sum(h.changed for h in headers)
     return {
         "step": step,
         "complete": True,

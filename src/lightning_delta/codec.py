@@ -47,6 +47,7 @@ __all__ = [
     "decode_change",
     "diff",
     "encode",
+    "may_pack_raw",
     "pack_delta",
     "pack_full",
     "parse",
@@ -105,6 +106,8 @@ class Change:
     index: Tensor  # int64
     old: Tensor  # int16 bit patterns
     new: Tensor  # int16 bit patterns
+    numel: int  # elements of the whole tensor
+    dtype: torch.dtype  # of the whole tensor
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def diff(old: Tensor, new: Tensor) -> Change:
     head = a.numel() // 4 * 4
     if not (head and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0):
         index = (a != b).nonzero().squeeze(1)
-        return Change(index, a.index_select(0, index), b.index_select(0, index))
+        return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype)
     # Compare four elements per int64 word: `nonzero` scans a quarter as many entries, and only
     # the few changed words are gathered and looked at lane by lane.
     a64, b64 = a[:head].view(torch.int64), b[:head].view(torch.int64)
@@ -159,7 +162,7 @@ def diff(old: Tensor, new: Tensor) -> Change:
         tail = (a[head:] != b[head:]).nonzero().squeeze(1) + head
         index = torch.cat([index, tail])
         olds, news = torch.cat([olds, a.index_select(0, tail)]), torch.cat([news, b.index_select(0, tail)])
-    return Change(index, olds, news)
+    return Change(index, olds, news, new.numel(), new.dtype)
 
 
 def pack_full(new: Tensor) -> Packed:
@@ -170,14 +173,29 @@ def pack_full(new: Tensor) -> Packed:
     return Packed(Mode.RAW, ValueCoding.NONE, 0, new.dtype, n, n, 0, (planes[0], planes[1]))
 
 
-def pack_delta(change: Change, new: Tensor) -> Packed:
+def may_pack_raw(change: Change) -> bool:
+    """Whether `pack_delta` may store `change` as RAW and so needs the whole new tensor.
+
+    Below a quarter changed, SPARSE costs at most about 6 bits an element even if every change
+    is large, and RAW about 12: the estimate never picks RAW there.
+    """
+    return change.numel <= _BOTH_BELOW or 4 * change.index.numel() > change.numel
+
+
+def pack_delta(change: Change, new: Tensor | None = None) -> Packed:
     """A SPARSE payload of `change`, or RAW when that is smaller.
 
     Small tensors carry both packings and `serialize` keeps the smaller one; for large ones an
-    estimate decides, since compressing both would double the host's work.
+    estimate decides, since compressing both would double the host's work.  `new`, the whole
+    new tensor, is needed only where `may_pack_raw(change)`.
     """
-    _check_tensor(new)
-    n, m = new.numel(), change.index.numel()
+    n, m, device = change.numel, change.index.numel(), change.index.device
+    if may_pack_raw(change):
+        if new is None:
+            raise ValueError("this change may be stored whole: pack_delta needs the new tensor")
+        _check_tensor(new)
+        if (new.numel(), new.dtype) != (n, change.dtype):
+            raise ValueError(f"new tensor is {new.dtype} of {new.numel()}, the change is {change.dtype} of {n}")
     step = change.new - change.old  # wraps mod 2**16
     unit = (step == 1) | (step == -1)
     far = step[~unit].to(torch.int32)
@@ -186,15 +204,16 @@ def pack_delta(change: Change, new: Tensor) -> Packed:
     # RAW about 12 bits an element (its exponent plane compresses to half).
     magnitude_bits = k * (1 + float(far.abs().float().log2().mean())) if k else 0.0
     if m * low_bits + _high_len(n, m, low_bits) + 2 * m + magnitude_bits > 12 * n:
+        assert new is not None  # may_pack_raw holds wherever this estimate can win
         return pack_full(new)
     index = change.index
     low = _pack_fixed(index & ((1 << low_bits) - 1), low_bits)
-    high = torch.zeros(_high_len(n, m, low_bits), dtype=torch.bool, device=new.device)
-    high[(index >> low_bits) + torch.arange(m, device=new.device)] = True
+    high = torch.zeros(_high_len(n, m, low_bits), dtype=torch.bool, device=device)
+    high[(index >> low_bits) + torch.arange(m, device=device)] = True
     magnitude = (far.abs() - 2).to(torch.int16).view(torch.uint8).view(-1, 2).t().reshape(-1)
     sections = (low, _pack_bits(high), _pack_bits(unit), _pack_bits(step > 0), magnitude)
     alternative = pack_full(new) if n <= _BOTH_BELOW and m else None
-    return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, new.dtype, n, m, k, sections, alternative)
+    return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, change.dtype, n, m, k, sections, alternative)
 
 
 _BOTH_BELOW = 4096
@@ -293,7 +312,7 @@ def decode_change(
     bits = old.view(torch.int16)
     if m == 0:
         nothing = torch.empty(0, dtype=torch.int64, device=device)
-        return Decoded(out.copy_(old), Change(nothing, bits[nothing], bits[nothing]))
+        return Decoded(out.copy_(old), Change(nothing, bits[nothing], bits[nothing], n, old.dtype))
     low = _unpack_fixed(sections[0], m, low_bits)
     ones = _unpack_bits(sections[1], _high_len(n, m, low_bits)).nonzero().squeeze(1)
     if ones.numel() != m:
@@ -313,7 +332,7 @@ def decode_change(
         raise FormatError("a tensor payload holds a change larger than 16 bits")
     step = step.to(torch.int16)
     olds = bits.index_select(0, index)
-    change = Change(index, olds, olds + step)
+    change = Change(index, olds, olds + step, n, old.dtype)
     new = out.view(torch.int16)
     new.copy_(bits)
     new.index_copy_(0, index, change.new)

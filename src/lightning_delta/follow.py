@@ -13,13 +13,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 
 from .errors import DeltaError
+from .replica import agree
 
 if TYPE_CHECKING:
     from .loader import DeltaLoader, LoadReport
@@ -39,11 +41,36 @@ class FollowedStep:
     report: LoadReport
     skipped: tuple[int, ...]  # newer steps that did not rebuild since the previous one (damage)
 
-    def apply_to(self, module: nn.Module) -> None:
-        """Copy this step into `module` in place (names and shapes are checked first)."""
+    @property
+    def probe(self) -> tuple[float, ...] | None:
+        """The trainer's probe log-probs at this step, if it published them."""
+        return self.report.probe
+
+    def probe_error(self, recomputed: Tensor) -> float:
+        """Largest absolute difference between `recomputed` log-probs and the trainer's probe."""
+        if self.probe is None:
+            raise ValueError(f"step {self.step} was published without a probe")
+        published = torch.tensor(self.probe, dtype=torch.float32)
+        got = recomputed.detach().float().flatten().cpu()
+        if got.shape != published.shape:
+            raise ValueError(f"recomputed probe has {got.numel()} values, the trainer's {published.numel()}")
+        return float((got - published).abs().max()) if got.numel() else 0.0
+
+    def apply_to(
+        self,
+        module: nn.Module,
+        *,
+        rename: Callable[[str], str | None] | None = None,
+        after: Callable[[nn.Module], None] | None = None,
+    ) -> float:
+        """Copy this step into `module` in place (names and shapes are checked first), then run
+        `after`; returns the seconds of the copy, the only pause a follower sees."""
         from .loader import copy_into
 
-        copy_into(module, self.tensors, self.step)
+        seconds = copy_into(module, self.tensors, self.step, rename=rename)
+        if after is not None:
+            after(module)
+        return seconds
 
 
 class _End:
@@ -53,12 +80,16 @@ class _End:
         self.error = error
 
 
+_NONE, _TIMED_OUT = -1, -2  # producer decisions besides a step number
+
+
 def follow(
     loader: DeltaLoader,
     *,
     poll_seconds: float = 1.0,
     prefetch: int = 1,
     max_staleness: int | None = None,
+    catch_up: bool = False,
     timeout: float | None = None,
 ) -> Iterator[FollowedStep]:
     """Yield each newer complete, verified step; see `DeltaLoader.follow`."""
@@ -80,20 +111,24 @@ def follow(
         last, skipped, idle_since = None, [], time.monotonic()
         try:
             while not stop.is_set():
-                newer = [s for s in loader.steps() if last is None or s > last]
-                if not newer:
-                    if timeout is not None and time.monotonic() - idle_since > timeout:
-                        hand_over(_End())
-                        return
+                steps = loader.steps()
+                newest = steps[-1] if steps and (last is None or steps[-1] > last) else _NONE
+                if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
+                    newest = _TIMED_OUT
+                if loader.group is not None:  # the replica's workers follow group rank 0's choice
+                    newest = agree(newest, loader.group)
+                if newest == _TIMED_OUT:
+                    hand_over(_End())
+                    return
+                if newest == _NONE:
                     stop.wait(poll_seconds)
                     continue
-                target = newer[-1]
                 try:
-                    step, tensors = loader.state_dict(target)
+                    step, tensors = loader.state_dict(newest)
                 except DeltaError as err:  # damage: wait for a step that rebuilds (the next base)
-                    log.warning("step %d does not rebuild, waiting for a newer one: %s", target, err)
-                    skipped.append(target)
-                    last = target
+                    log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, err)
+                    skipped.append(newest)
+                    last = newest
                     continue
                 assert loader.last_report is not None
                 item = FollowedStep(step, tensors, 0, loader.last_report, tuple(skipped))
@@ -115,6 +150,8 @@ def follow(
             behind = sum(1 for s in loader.steps() if s > item.step)
             if max_staleness is not None and behind > max_staleness:
                 log.warning("following %s: step %d is %d steps behind the store", loader.store.url, item.step, behind)
+                if catch_up:  # the producer is already rebuilding the newest step: wait for that one
+                    continue
             yield FollowedStep(item.step, item.tensors, behind, item.report, item.skipped)
     finally:
         stop.set()

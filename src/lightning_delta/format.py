@@ -33,6 +33,7 @@ __all__ = [
     "PART_FORMAT",
     "Kind",
     "PartHeader",
+    "PayloadEntry",
     "TensorEntry",
     "blob_path",
     "commit_path",
@@ -47,8 +48,8 @@ __all__ = [
     "verify_blob",
 ]
 
-MAGIC = b"LDELTA\x00\x01"
-PART_FORMAT = "lightning_delta/1"
+MAGIC = b"LDELTA\x00\x02"
+PART_FORMAT = "lightning_delta/2"
 COMMIT_FORMAT = "lightning_delta.commit/1"
 MAX_HEADER_BYTES = 256 << 20
 """A header past this is refused before it is read: ~1M tensors a rank is far beyond real models."""
@@ -72,9 +73,21 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int
     numel: int
-    offset: int  # payload offset, relative to the end of the header
-    length: int  # payload length in bytes
-    checksum: str  # `checksum.checksum` of the slice's reconstructed bits, 16 hex digits
+    payload: int  # index into the header's payloads
+    at: int  # where the slice's elements begin in that payload's decoded elements
+
+
+@dataclass(frozen=True)
+class PayloadEntry:
+    """One codec payload: the concatenated elements of the slices that point to it, in order.
+
+    Small slices share one payload, so a step costs a few codec calls, not one per norm weight.
+    """
+
+    offset: int  # relative to the end of the header
+    length: int  # bytes
+    numel: int  # elements, the sum of its slices'
+    checksum: str  # `checksum.checksum` of its reconstructed elements, 16 hex digits
     changed: int  # elements changed since the previous part (all of them in a base)
 
 
@@ -91,11 +104,21 @@ class PartHeader:
     world_size: int
     created: float  # unix seconds, informational
     tensors: tuple[TensorEntry, ...] = field(default=())
+    payloads: tuple[PayloadEntry, ...] = field(default=())
+    probe: tuple[float, ...] | None = None  # the trainer's log-probs of a fixed probe batch, if given
     format: str = PART_FORMAT
 
     @property
     def payload_bytes(self) -> int:
-        return sum(t.length for t in self.tensors)
+        return sum(p.length for p in self.payloads)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.payloads)
+
+    @property
+    def changed(self) -> int:
+        return sum(p.changed for p in self.payloads)
 
 
 # ----------------------------------------------------------------------------- names
@@ -162,9 +185,9 @@ def decode_blob(blob: bytes) -> tuple[PartHeader, memoryview]:
     header = decode_header(view[:end])
     payload = view[end:]
     end = 0
-    for entry in header.tensors:
+    for i, entry in enumerate(header.payloads):
         if entry.offset != end:
-            raise FormatError(f"payload of {entry.name!r} starts at {entry.offset}, expected {end}")
+            raise FormatError(f"payload {i} starts at {entry.offset}, expected {end}")
         end += entry.length
     if end != len(payload):
         raise FormatError(f"part payload area is {len(payload)} bytes, its header describes {end}")
@@ -214,6 +237,7 @@ def _to_json(header: PartHeader) -> dict[str, Any]:
 
 _HEADER_KEYS = {f for f in PartHeader.__dataclass_fields__}
 _ENTRY_KEYS = {f for f in TensorEntry.__dataclass_fields__}
+_PAYLOAD_KEYS = {f for f in PayloadEntry.__dataclass_fields__}
 
 
 def _from_json(raw: Any) -> PartHeader:
@@ -232,6 +256,12 @@ def _from_json(raw: Any) -> PartHeader:
         "world_size": _is_count(raw["world_size"]) and raw["world_size"] > raw["rank"],
         "created": isinstance(raw["created"], (int, float)) and math.isfinite(raw["created"]),
         "tensors": isinstance(raw["tensors"], list),
+        "payloads": isinstance(raw["payloads"], list),
+        "probe": raw["probe"] is None
+        or (
+            isinstance(raw["probe"], list)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in raw["probe"])
+        ),
     }
     if kind == Kind.BASE:
         checks["prev"] = raw["prev_step"] is None and raw["prev_snapshot_id"] is None
@@ -243,7 +273,43 @@ def _from_json(raw: Any) -> PartHeader:
     if bad:
         raise FormatError(f"part header has malformed fields: {', '.join(bad)}")
     tensors = tuple(_entry_from_json(e) for e in raw["tensors"])
-    return PartHeader(**{**raw, "kind": kind, "tensors": tensors})
+    payloads = tuple(_payload_from_json(p) for p in raw["payloads"])
+    _check_tiling(tensors, payloads)
+    probe = None if raw["probe"] is None else tuple(float(v) for v in raw["probe"])
+    return PartHeader(**{**raw, "kind": kind, "tensors": tensors, "payloads": payloads, "probe": probe})
+
+
+def _check_tiling(tensors: tuple[TensorEntry, ...], payloads: tuple[PayloadEntry, ...]) -> None:
+    """Each payload is exactly its slices back to back, in header order, of one dtype."""
+    filled = [0] * len(payloads)
+    dtypes: dict[int, str] = {}
+    for entry in tensors:
+        if entry.payload >= len(payloads) or entry.at != filled[entry.payload]:
+            raise FormatError(f"tensor entry {entry.name!r} is not the next slice of payload {entry.payload}")
+        if dtypes.setdefault(entry.payload, entry.dtype) != entry.dtype:
+            raise FormatError(f"payload {entry.payload} mixes dtypes")
+        filled[entry.payload] += entry.numel
+    for i, (payload, numel) in enumerate(zip(payloads, filled, strict=True)):
+        if payload.numel != numel:
+            raise FormatError(f"payload {i} holds {payload.numel} elements, its slices {numel}")
+
+
+def _payload_from_json(raw: Any) -> PayloadEntry:
+    if not isinstance(raw, dict) or set(raw) != _PAYLOAD_KEYS:
+        raise FormatError(f"payload entry keys differ from {sorted(_PAYLOAD_KEYS)}")
+    ok = (
+        all(_is_count(raw[k]) for k in ("offset", "length", "numel", "changed"))
+        and raw["changed"] <= raw["numel"]
+        and isinstance(raw["checksum"], str)
+    )
+    if ok:
+        try:
+            parse_checksum(raw["checksum"])
+        except ValueError:
+            ok = False
+    if not ok:
+        raise FormatError(f"malformed payload entry at offset {raw.get('offset')!r}")
+    return PayloadEntry(**raw)
 
 
 def _entry_from_json(raw: Any) -> TensorEntry:
@@ -255,16 +321,9 @@ def _entry_from_json(raw: Any) -> TensorEntry:
         and raw["dtype"] in DTYPE_NAMES
         and isinstance(shape, list)
         and all(_is_count(d) for d in shape)
-        and all(_is_count(raw[k]) for k in ("start", "numel", "offset", "length", "changed"))
+        and all(_is_count(raw[k]) for k in ("start", "numel", "payload", "at"))
         and raw["start"] + raw["numel"] <= math.prod(shape)
-        and raw["changed"] <= raw["numel"]
-        and isinstance(raw["checksum"], str)
     )
-    if ok:
-        try:
-            parse_checksum(raw["checksum"])
-        except ValueError:
-            ok = False
     if not ok:
         raise FormatError(f"malformed tensor entry {raw.get('name')!r}")
     return TensorEntry(**{**raw, "shape": tuple(shape)})

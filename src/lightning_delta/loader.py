@@ -10,11 +10,12 @@ mismatch raises and leaves the loader's state, and any module, as it was.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import codec
@@ -28,6 +29,7 @@ from .errors import (
     SnapshotNotFoundError,
 )
 from .follow import FollowedStep, follow
+from .replica import exchange
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
@@ -44,19 +46,19 @@ class LoadReport:
     payload_bytes: int  # tensor payload bytes fetched
     tensors: int  # full tensors rebuilt and verified
     seconds: float  # fetch, decode and verification
+    probe: tuple[float, ...] | None = None  # the trainer's probe log-probs at this step, if published
 
 
 @dataclass(frozen=True)
-class _Slice:
-    entry: fmt.TensorEntry
-    bits: Tensor  # reconstructed values, 1-D, entry's dtype
+class _Payload:
+    bits: Tensor  # the payload's reconstructed elements, 1-D
     checksum: int
 
 
 @dataclass(frozen=True)
 class _RankState:
     header: fmt.PartHeader
-    slices: dict[str, _Slice]
+    payloads: list[_Payload]
 
 
 class DeltaLoader:
@@ -64,7 +66,12 @@ class DeltaLoader:
 
     Args:
         store: fsspec URL (a local path works) or a `Store`.
-        device: where reconstruction happens and where returned tensors live.
+        device: where reconstruction happens and where returned tensors live: the staging
+            buffers.  On the model's device, a swap is a device-local copy.
+        process_group: the workers of one replica.  Each fetches a disjoint share of the
+            objects and broadcasts it to the others (see `lightning_delta.replica`); all of them
+            must then call `state_dict`, `apply_to` and `follow` together, for the same steps.
+        progress: show a progress bar while a step is fetched from a base (first load, re-sync).
     """
 
     def __init__(
@@ -73,9 +80,13 @@ class DeltaLoader:
         *,
         storage_options: Mapping[str, Any] | None = None,
         device: str | torch.device = "cpu",
+        process_group: dist.ProcessGroup | None = None,
+        progress: bool = False,
     ) -> None:
         self.store = as_store(store, storage_options)
         self.device = torch.device(device)
+        self.group = process_group
+        self.progress = progress
         self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
         self._fetched: list[fmt.PartHeader] = []
         self._complete: dict[int, int] = {}  # step -> world size, for steps seen complete
@@ -106,7 +117,8 @@ class DeltaLoader:
         if world is None:
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
         started, self._fetched = time.perf_counter(), []
-        states = [self._rank_state(step, rank, world) for rank in range(world)]
+        chains = self._fetch(step, world)
+        states = [self._decode(step, rank, world, chain) for rank, chain in enumerate(chains)]
         ids = {s.header.snapshot_id for s in states}
         if len(ids) != 1:
             raise ChainError(f"step {step}: rank parts belong to different snapshots {sorted(ids)}")
@@ -120,16 +132,28 @@ class DeltaLoader:
             payload_bytes=sum(h.payload_bytes for h in self._fetched),
             tensors=len(tensors),
             seconds=time.perf_counter() - started,
+            probe=states[0].header.probe,
         )
         return step, tensors
 
-    def apply_to(self, module: nn.Module, step: int | None = None) -> int:
+    def apply_to(
+        self,
+        module: nn.Module,
+        step: int | None = None,
+        *,
+        rename: Callable[[str], str | None] | None = None,
+        after: Callable[[nn.Module], None] | None = None,
+    ) -> int:
         """Copy a verified step into `module`'s parameters and buffers in place; returns the step.
 
-        Nothing is copied unless every name and shape matches.
+        `rename` maps a published name to the module's (None drops the tensor); `after` runs
+        once the copy is done (an engine's post-load step).  Nothing is copied unless every name
+        and shape matches.
         """
         step, tensors = self.state_dict(step)
-        copy_into(module, tensors, step)
+        copy_into(module, tensors, step, rename=rename)
+        if after is not None:
+            after(module)
         return step
 
     def follow(
@@ -138,6 +162,7 @@ class DeltaLoader:
         poll_seconds: float = 1.0,
         prefetch: int = 1,
         max_staleness: int | None = None,
+        catch_up: bool = False,
         timeout: float | None = None,
     ) -> Iterator[FollowedStep]:
         """Watch the store and yield each newer complete step, verified, as a `FollowedStep`.
@@ -145,45 +170,103 @@ class DeltaLoader:
         The next step is fetched and rebuilt in the background while the caller works on the
         current one (`prefetch` steps at most).  A follower that fell behind skips to the newest
         step; one whose chain broke waits for the next step that rebuilds.  `max_staleness` logs
-        a warning when a handed-out step is more than that many published steps behind; `timeout`
-        ends the iteration after that many seconds without a new step.  While following, the
-        loader's other methods must not be called from another thread.
+        a warning when a step is more than that many published steps behind as it is handed out;
+        with `catch_up` such a step is dropped and the follower waits for the newest one instead.
+        `timeout` ends the iteration after that many seconds without a new step.  While
+        following, the loader's other methods must not be called from another thread.  With a
+        `process_group`, every worker of the replica must follow, and group rank 0 picks the steps.
         """
-        return follow(self, poll_seconds=poll_seconds, prefetch=prefetch, max_staleness=max_staleness, timeout=timeout)
+        return follow(
+            self,
+            poll_seconds=poll_seconds,
+            prefetch=prefetch,
+            max_staleness=max_staleness,
+            catch_up=catch_up,
+            timeout=timeout,
+        )
 
     # ------------------------------------------------------------------ reconstruction
 
-    def _rank_state(self, step: int, rank: int, world: int) -> _RankState:
-        chain: list[tuple[fmt.PartHeader, memoryview]] = []
-        start: _RankState | None = None
-        at, wanted_id = step, None
+    def _fetch(self, step: int, world: int) -> list[list[bytes]]:
+        """Per rank, the blobs that lead from what is held (or a base) to `step`, newest first."""
+        bar = None
+        if self.progress and not any(w == world for _, w in self._states):
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=world, desc=f"step {step}", unit="part", leave=False)
+        try:
+            if self.group is None:
+                return [self._walk(step, rank, world, bar) for rank in range(world)]
+            me, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            try:
+                mine: list[bytes] | BaseException = []
+                ours = range(me, world, size)
+                walked = [self._walk(step, rank, world, bar) for rank in ours]
+                mine = [len(chain).to_bytes(8, "little") for chain in walked] + [b for c in walked for b in c]
+            except Exception as err:  # shared with the group, so no worker waits in a broadcast
+                mine = err
+            received = exchange(mine, self.group)
+            chains: list[list[bytes]] = [[] for _ in range(world)]
+            for src, blobs in enumerate(received):
+                ranks = range(src, world, size)
+                lengths = [int.from_bytes(b, "little") for b in blobs[: len(ranks)]]
+                rest = iter(blobs[len(ranks) :])
+                for rank, length in zip(ranks, lengths, strict=True):
+                    chains[rank] = [next(rest) for _ in range(length)]
+            return chains
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _walk(self, step: int, rank: int, world: int, bar: Any = None) -> list[bytes]:
+        """Follow `prev_step` links back from `step` to a base or to the state already held."""
+        chain: list[bytes] = []
+        at, wanted_id, last = step, None, None
         while True:
             held = self._states.get((rank, world))
             if held and held.header.step == at and wanted_id in (None, held.header.snapshot_id):
-                start = held
-                break
+                return chain
             try:
-                header, payload = self.store.read_part(at, rank, world)
+                blob = self.store.read_blob(at, rank, world)
             except SnapshotNotFoundError:
-                if not chain:
+                if last is None:
                     raise
                 raise ChainError(
-                    f"step {chain[-1][0].step} rank {rank} is a delta against step {at}, "
+                    f"step {last.step} rank {rank} is a delta against step {at}, "
                     "which is not in the store (deleted, or its upload never finished)"
                 ) from None
+            header, _ = self.store.parse_part(blob, at, rank, world)
+            chain.append(blob)
+            self._fetched.append(header)
+            if header.kind == fmt.Kind.BASE:
+                if bar is not None:
+                    bar.update(1)
+                return chain
+            at, wanted_id, last = header.prev_step, header.prev_snapshot_id, header
+
+    def _decode(self, step: int, rank: int, world: int, chain: list[bytes]) -> _RankState:
+        """Check the links of `chain` (newest first), then apply it to the held state or from its
+        base, verifying every payload."""
+        parts: list[tuple[fmt.PartHeader, memoryview]] = []
+        at, wanted_id = step, None
+        for blob in chain:
+            header, payload = self.store.parse_part(blob, at, rank, world)
             if wanted_id is not None and header.snapshot_id != wanted_id:
                 raise ChainError(
-                    f"step {chain[-1][0].step} rank {rank} expects predecessor {wanted_id}, "
+                    f"step {parts[-1][0].step} rank {rank} expects predecessor {wanted_id}, "
                     f"the store holds {header.snapshot_id} at step {at}"
                 )
-            chain.append((header, payload))
-            self._fetched.append(header)
+            parts.append((header, payload))
             if header.kind == fmt.Kind.BASE:
                 break
             at, wanted_id = header.prev_step, header.prev_snapshot_id
-        state = start
-        for i, (header, payload) in enumerate(reversed(chain)):
-            state = self._apply(state, header, payload, full_check=i == len(chain) - 1)
+        state = None
+        if not parts or parts[-1][0].kind == fmt.Kind.DELTA:
+            state = self._states.get((rank, world))
+            if state is None or state.header.step != at or wanted_id not in (None, state.header.snapshot_id):
+                raise ChainError(f"step {step} rank {rank}: the chain does not reach a base or the step held")
+        for i, (header, payload) in enumerate(reversed(parts)):
+            state = self._apply(state, header, payload, full_check=i == len(parts) - 1)
         assert state is not None
         return state
 
@@ -197,42 +280,58 @@ class DeltaLoader:
         where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
         if header.kind == fmt.Kind.DELTA:
             assert state is not None
-            layout = {e.name: (e.dtype, e.shape, e.start, e.numel) for e in header.tensors}
-            held = {n: (s.entry.dtype, s.entry.shape, s.entry.start, s.entry.numel) for n, s in state.slices.items()}
-            if layout != held:
+            sizes = [p.numel for p in header.payloads]
+            if header.tensors != state.header.tensors or sizes != [p.numel for p in state.header.payloads]:
                 raise ChainError(f"{where}: its slices differ from those of its predecessor step {header.prev_step}")
-        slices = {}
-        for entry in header.tensors:
+        dtypes = {t.payload: t.dtype for t in header.tensors}
+        payloads = []
+        for i, entry in enumerate(header.payloads):
             data = payload[entry.offset : entry.offset + entry.length]
-            old = state.slices[entry.name] if header.kind == fmt.Kind.DELTA and state else None
+            old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
             try:
                 decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel)
             except FormatError as err:
-                raise FormatError(f"{where}: tensor {entry.name!r}: {err}") from None
+                raise FormatError(f"{where}: payload {i}: {err}") from None
             new = decoded.new.to(self.device)
-            if new.dtype != fmt.DTYPE_NAMES[entry.dtype]:
-                raise FormatError(f"{where}: tensor {entry.name!r} payload is {new.dtype}, header says {entry.dtype}")
+            if i in dtypes and new.dtype != fmt.DTYPE_NAMES[dtypes[i]]:
+                raise FormatError(f"{where}: payload {i} is {new.dtype}, its slices are {dtypes[i]}")
             change = decoded.change
             if change is not None and change.index.numel() != entry.changed:
                 raise FormatError(
-                    f"{where}: tensor {entry.name!r} changes {change.index.numel()} elements, "
-                    f"header says {entry.changed}"
+                    f"{where}: payload {i} changes {change.index.numel()} elements, header says {entry.changed}"
                 )
             if change is not None and old is not None and not full_check:
                 value = checksum_update(old.checksum, change.index, change.old, change.new)
             else:
                 value = checksum(new.view(torch.int16))
             if value != parse_checksum(entry.checksum):
+                names = sorted({t.name for t in header.tensors if t.payload == i})
                 raise ChecksumError(
-                    f"{where}: tensor {entry.name!r} elements [{entry.start}, {entry.start + entry.numel}) "
-                    "do not reproduce the trainer's checksum"
+                    f"{where}: payload {i} ({', '.join(names[:4])}) does not reproduce the trainer's checksum"
                 )
-            slices[entry.name] = _Slice(entry, new, value)
-        return _RankState(header, slices)
+            payloads.append(_Payload(new, value))
+        return _RankState(header, payloads)
 
 
-def copy_into(module: nn.Module, tensors: Mapping[str, Tensor], step: int) -> None:
-    """Copy verified full tensors into `module` in place; nothing is copied unless all fit."""
+def copy_into(
+    module: nn.Module,
+    tensors: Mapping[str, Tensor],
+    step: int,
+    *,
+    rename: Callable[[str], str | None] | None = None,
+) -> float:
+    """Copy verified full tensors into `module` in place; nothing is copied unless all fit.
+
+    `rename` maps a published name to the module's (None drops it).  Returns the seconds the
+    copy took: the pause a caller sees when the step was staged in the background.
+    """
+    if rename is not None:
+        renamed = {}
+        for name, tensor in tensors.items():
+            target = rename(name)
+            if target is not None:
+                renamed[target] = tensor
+        tensors = renamed
     targets = named_tensors(module)
     missing, unexpected = sorted(targets.keys() - tensors.keys()), sorted(tensors.keys() - targets.keys())
     wrong = [n for n in targets.keys() & tensors.keys() if targets[n].shape != tensors[n].shape]
@@ -241,22 +340,24 @@ def copy_into(module: nn.Module, tensors: Mapping[str, Tensor], step: int) -> No
             f"step {step} does not fit {type(module).__name__}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
+    started = time.perf_counter()
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name])
+    if any(t.is_cuda for t in targets.values()):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 def _assemble(states: list[_RankState]) -> dict[str, Tensor]:
     pieces: dict[str, list[tuple[int, Tensor]]] = {}
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for state in states:
-        for name, s in state.slices.items():
-            if meta.setdefault(name, (s.entry.dtype, s.entry.shape)) != (
-                s.entry.dtype,
-                s.entry.shape,
-            ):
-                raise FormatError(f"{name}: ranks disagree on its dtype or shape")
-            pieces.setdefault(name, []).append((s.entry.start, s.bits))
+        for entry in state.header.tensors:
+            if meta.setdefault(entry.name, (entry.dtype, entry.shape)) != (entry.dtype, entry.shape):
+                raise FormatError(f"{entry.name}: ranks disagree on its dtype or shape")
+            bits = state.payloads[entry.payload].bits[entry.at : entry.at + entry.numel]
+            pieces.setdefault(entry.name, []).append((entry.start, bits))
     return {
         name: assemble(name, meta[name][1], fmt.DTYPE_NAMES[meta[name][0]], pieces[name]) for name in sorted(pieces)
     }

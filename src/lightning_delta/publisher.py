@@ -2,9 +2,10 @@
 
 `DeltaPublisher.publish(step)` does on the calling thread only what must see the live weights:
 cast the rank's own slices to `dtype` on their device, diff them against the cached copy from the
-last publish, pack the change (a few bytes per changed element) and copy that to the host.
-Compression, hashing of the blob and upload run on a worker thread; its errors are raised on the
-next `publish` or at `close`.
+last publish, pack the change (a few bytes per changed element) and start its copy to the host
+(pinned memory on a side stream on CUDA, so the training stream does not wait).  Compression,
+hashing of the blob and upload run on a worker thread; its errors are raised on the next
+`publish` or at `close`.
 
 Each rank's parts form their own chain (each delta names the same rank's previous part), so a
 rank never waits for another: not to publish, and not to skip a step when its uploads fall behind.
@@ -12,13 +13,15 @@ rank never waits for another: not to publish, and not to skip a step when its up
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -64,8 +67,7 @@ class PublishStats:
     kind: fmt.Kind | None
     changed: int  # elements of this rank's slices that changed
     numel: int  # elements of this rank's slices
-    host_bytes: int  # packed bytes copied to the host
-    diff_ms: float  # calling-thread time, diff + pack + copy
+    diff_ms: float  # calling-thread time: cast, diff, cache update (a base: copy, checksum, pack)
 
 
 @dataclass(frozen=True)
@@ -75,20 +77,81 @@ class UploadStats:
     step: int
     payload_bytes: int  # tensor payloads, compressed
     dense_bytes: int  # the same slices as plain `dtype`
-    upload_ms: float  # compress, hash and commit
+    upload_ms: float  # pack, copy to the host, compress, hash and commit
+
+
+_SMALL = 1 << 16
+"""Slices of at most this many elements share one payload: one diff and one codec call for all."""
 
 
 @dataclass
-class _Cached:
-    spec: OwnedSlice
-    bits: Tensor  # `dtype` copy of the slice as last published, on its device
-    checksum: int
+class _Group:
+    """The slices of one payload: a large slice alone, or all the small ones on one device."""
+
+    specs: list[OwnedSlice]
+    bits: Tensor  # `dtype` copy of the slices as last published, concatenated, on their device
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One group of a snapshot as it leaves the training thread.
+
+    A base is packed and checksummed there (bases are rare); a delta only carries the change,
+    which the worker packs and folds into the running checksum.
+    """
+
+    packed: codec.Packed | None = None  # base
+    checksum: int | None = None  # base
+    change: codec.Change | None = None  # delta
+    whole: Tensor | None = None  # delta that may be stored RAW: the group's new values, unshared
 
 
 @dataclass(frozen=True)
 class _Job:
-    header: fmt.PartHeader  # offsets and lengths are filled in by the worker
-    packed: list[codec.Packed]
+    header: fmt.PartHeader  # checksums, offsets and lengths are filled in by the worker
+    pieces: list[_Piece]
+    ready: torch.cuda.Event | None  # recorded on the training stream after the snapshot (CUDA)
+
+
+class _HostSide:
+    """Where the worker packs and copies to the host without holding up the training stream.
+
+    On CUDA the worker runs on a side stream that first waits for the snapshot's event, copies
+    into pinned host memory asynchronously, and synchronizes only its own stream before the
+    bytes are read.  On the CPU all of this is plain, synchronous torch code.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def mark(self) -> torch.cuda.Event | None:
+        """On the training thread: an event that completes once the snapshot's kernels have run."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stream(self, ready: torch.cuda.Event | None) -> contextlib.AbstractContextManager[Any]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        if ready is not None:
+            self._stream.wait_event(ready)
+        return torch.cuda.stream(self._stream)
+
+    def copy(self, packed: codec.Packed) -> codec.Packed:
+        if self._stream is None:
+            return packed.cpu()
+        sections = tuple(
+            torch.empty(s.shape, dtype=s.dtype, pin_memory=True).copy_(s, non_blocking=True) for s in packed.sections
+        )
+        alternative = self.copy(packed.alternative) if packed.alternative else None
+        return replace(packed, sections=sections, alternative=alternative)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
 
 class DeltaPublisher:
@@ -133,7 +196,9 @@ class DeltaPublisher:
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.run_id = run_id or _shared_run_id(process_group)
-        self._cache: list[_Cached] | None = None
+        self._cache: list[_Group] | None = None
+        self._host: _HostSide | None = None
+        self._checksums: list[int] = []  # worker thread: each slice's checksum as last uploaded
         self._last_step: int | None = None
         self._last_base: int | None = None
         self._prev_snapshot_id: str | None = None
@@ -146,24 +211,33 @@ class DeltaPublisher:
 
     # ------------------------------------------------------------------ calling thread
 
-    def publish(self, step: int) -> PublishStats:
-        """Snapshot the current weights as `step` and queue their upload."""
+    def publish(self, step: int, probe: Tensor | None = None) -> PublishStats:
+        """Snapshot the current weights as `step` and queue their upload.
+
+        `probe`, if given, is stored with the step (flattened, as fp32): the model's
+        log-probabilities of a fixed probe batch, which a rollout worker can recompute after
+        swapping the step in, to catch an engine that loaded the right bytes but uses them wrongly.
+        """
         self._raise_worker_error()
+        probed = None if probe is None else tuple(probe.detach().float().flatten().cpu().tolist())
+        if probed is not None and not all(math.isfinite(v) for v in probed):
+            raise ValueError("probe values must be finite")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"steps must increase: {step} after {self._last_step}")
         if self.backlog == Backlog.COALESCE and self._jobs.full():
             self.skipped += 1
-            return PublishStats(step, False, None, 0, 0, 0, 0.0)
+            return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
         tensors = self._source()
         if self._cache is None:
             self._last_base = None
         is_base = self._last_base is None or step - self._last_base >= self.base_every
-        cache = self._cache or [
-            _Cached(spec, torch.empty(0), 0) for spec in plan(dict(tensors), self.rank, self.world_size)
-        ]
+        cache = self._cache or _groups(plan(dict(tensors), self.rank, self.world_size), tensors)
+        if self._host is None:
+            devices = [t.device for t in tensors.values()]
+            self._host = _HostSide(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
         try:
-            entries, packed_all, changed_total = self._snapshot(cache, tensors, is_base)
+            entries, payloads, pieces, changed_total = self._snapshot(cache, tensors, is_base)
         except BaseException:
             self._cache = None  # some slices may hold a step that was never published: rebase
             raise
@@ -180,15 +254,16 @@ class DeltaPublisher:
             world_size=self.world_size,
             created=time.time(),
             tensors=tuple(entries),
+            payloads=tuple(payloads),
+            probe=probed,
         )
         diff_ms = (time.perf_counter() - started) * 1e3
-        self._jobs.put(_Job(header, packed_all))  # blocks only under Backlog.BLOCK
+        self._jobs.put(_Job(header, pieces, self._host.mark()))  # blocks only under Backlog.BLOCK
         self._last_step, self._prev_snapshot_id = step, snapshot_id
         if is_base:
             self._last_base = step
-        host_bytes = sum(s.numel() for p in packed_all for s in p.sections)
-        numel = sum(c.spec.numel for c in cache)
-        return PublishStats(step, True, kind, changed_total, numel, host_bytes, diff_ms)
+        numel = sum(spec.numel for group in cache for spec in group.specs)
+        return PublishStats(step, True, kind, changed_total, numel, diff_ms)
 
     @property
     def pending(self) -> int:
@@ -196,38 +271,37 @@ class DeltaPublisher:
         return self._jobs.unfinished_tasks
 
     def _snapshot(
-        self, cache: list[_Cached], tensors: Mapping[str, Tensor], is_base: bool
-    ) -> tuple[list[fmt.TensorEntry], list[codec.Packed], int]:
-        """Diff (or copy, for a base) every slice on its device and pack it for the host."""
-        entries, packed_all, changed_total = [], [], 0
-        for cached in cache:
-            spec = cached.spec
-            values = read_slice(tensors[spec.name], spec).to(self.dtype)
+        self, cache: list[_Group], tensors: Mapping[str, Tensor], is_base: bool
+    ) -> tuple[list[fmt.TensorEntry], list[fmt.PayloadEntry], list[_Piece], int]:
+        """Diff every group against the cache on its device and bring the cache up to date.
+
+        A delta writes only the changed elements into the cache; a base copies, checksums and
+        packs the whole group.
+        """
+        pieces, changed_total = [], 0
+        for group in cache:
+            parts = [read_slice(tensors[spec.name], spec).to(self.dtype) for spec in group.specs]
+            # A lone slice may be a view of the live weights (already `dtype`); a concatenation is ours.
+            values, shared = (parts[0], True) if len(parts) == 1 else (torch.cat(parts), False)
             if is_base:
-                cached.bits = values.clone()
-                cached.checksum = checksum(cached.bits.view(torch.int16))
-                packed, changed = codec.pack_full(cached.bits), spec.numel
+                group.bits = values.clone() if shared else values
+                piece = _Piece(packed=codec.pack_full(group.bits), checksum=checksum(group.bits.view(torch.int16)))
+                changed_total += values.numel()
             else:
-                change = codec.diff(cached.bits, values)
-                cached.checksum = checksum_update(cached.checksum, change.index, change.old, change.new)
-                packed, changed = codec.pack_delta(change, values), change.index.numel()
-                cached.bits.copy_(values)
-            packed_all.append(packed.cpu())
-            changed_total += changed
-            entries.append(
-                fmt.TensorEntry(
-                    spec.name,
-                    _dtype_name(self.dtype),
-                    spec.shape,
-                    spec.start,
-                    spec.numel,
-                    0,
-                    0,
-                    format_checksum(cached.checksum),
-                    changed,
-                )
-            )
-        return entries, packed_all, changed_total
+                change = codec.diff(group.bits, values)
+                whole = values if not shared else values.clone() if codec.may_pack_raw(change) else None
+                group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
+                piece = _Piece(change=change, whole=whole)
+                changed_total += change.index.numel()
+            pieces.append(piece)
+        entries, payloads, name = [], [], _dtype_name(self.dtype)
+        for i, group in enumerate(cache):
+            at = 0
+            for spec in group.specs:
+                entries.append(fmt.TensorEntry(spec.name, name, spec.shape, spec.start, spec.numel, i, at))
+                at += spec.numel
+            payloads.append(fmt.PayloadEntry(0, 0, at, "", 0))  # the worker fills in the rest
+        return entries, payloads, pieces, changed_total
 
     def flush(self) -> None:
         """Wait until every queued snapshot is in the store; raise if an upload failed."""
@@ -273,18 +347,51 @@ class DeltaPublisher:
 
     def _upload(self, job: _Job) -> None:
         started = time.perf_counter()
-        payloads = [codec.serialize(p, self.codec_options) for p in job.packed]
+        packed, checksums = self._pack(job)
+        payloads = [codec.serialize(p, self.codec_options) for p in packed]
         entries, offset = [], 0
-        for entry, payload in zip(job.header.tensors, payloads, strict=True):
-            entries.append(fmt.TensorEntry(**{**entry.__dict__, "offset": offset, "length": len(payload)}))
+        for entry, payload, value, piece in zip(job.header.payloads, payloads, checksums, job.pieces, strict=True):
+            changed = entry.numel if piece.change is None else piece.change.index.numel()
+            entries.append(fmt.PayloadEntry(offset, len(payload), entry.numel, format_checksum(value), changed))
             offset += len(payload)
-        header = fmt.PartHeader(**{**job.header.__dict__, "tensors": tuple(entries)})
+        header = fmt.PartHeader(**{**job.header.__dict__, "payloads": tuple(entries)})
         blob = fmt.encode_blob(header, payloads)
         self.store.commit_part(header.step, header.rank, header.world_size, blob)
+        self._checksums = checksums  # only now: a failed upload leaves the chain to the next base
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
-        dense = sum(e.numel for e in header.tensors) * self.dtype.itemsize
+        dense = header.numel * self.dtype.itemsize
         self.last_upload = UploadStats(header.step, offset, dense, (time.perf_counter() - started) * 1e3)
+
+    def _pack(self, job: _Job) -> tuple[list[codec.Packed], list[int]]:
+        """Per payload: its packing on the host and its checksum.
+
+        Deltas are packed on their device and folded into the running checksums here.
+        """
+        assert self._host is not None
+        packed, checksums = [], []
+        with self._host.stream(job.ready):
+            for i, piece in enumerate(job.pieces):
+                if piece.change is None:
+                    assert piece.packed is not None and piece.checksum is not None
+                    packed.append(self._host.copy(piece.packed))
+                    checksums.append(piece.checksum)
+                    continue
+                change = piece.change
+                checksums.append(checksum_update(self._checksums[i], change.index, change.old, change.new))
+                packed.append(self._host.copy(codec.pack_delta(change, piece.whole)))
+            self._host.synchronize()
+        return packed, checksums
+
+
+def _groups(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[_Group]:
+    """Large slices alone, then the small ones of each device together."""
+    large = [_Group([spec], torch.empty(0)) for spec in specs if spec.numel > _SMALL]
+    small: dict[torch.device, list[OwnedSlice]] = {}
+    for spec in specs:
+        if spec.numel <= _SMALL:
+            small.setdefault(tensors[spec.name].device, []).append(spec)
+    return large + [_Group(group, torch.empty(0)) for group in small.values()]
 
 
 def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) -> None:

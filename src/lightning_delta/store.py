@@ -135,8 +135,8 @@ class Store:
             raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
         return self._placed(header, step, rank, world_size), size
 
-    def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
-        """A committed part, checked against its marker, with its header validated."""
+    def read_blob(self, step: int, rank: int, world_size: int) -> bytes:
+        """A committed part's bytes, checked against its marker (size and SHA-256)."""
         where = fmt.blob_path(step, rank, world_size)
         try:
             marker = self.read(fmt.commit_path(step, rank, world_size))
@@ -148,6 +148,14 @@ class Store:
         except FileNotFoundError:
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
         fmt.verify_blob(blob, size, digest, f"{self.url}/{where}")
+        return blob
+
+    def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
+        """A committed part, checked against its marker, with its header validated."""
+        return self.parse_part(self.read_blob(step, rank, world_size), step, rank, world_size)
+
+    def parse_part(self, blob: bytes, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
+        """Header and payload area of the blob of a part, which must belong where it claims."""
         header, payload = fmt.decode_blob(blob)
         return self._placed(header, step, rank, world_size), payload
 
