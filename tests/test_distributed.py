@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -144,3 +145,16 @@ def test_a_flipped_byte_in_any_object_never_gives_wrong_weights(store_copy):
     assert checked > 200
     state = DeltaLoader(store).state_dict(20)[1]  # and untouched objects still load
     assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, 20).items())
+
+
+def test_a_replica_of_two_workers_downloads_one_copy_and_both_rebuild_exactly(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(ROOT / "tests" / "replica_job.py", str(tmp_path / "store"), str(out))
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["exact"] == [True, True]
+        assert report["followed"] == [7] and report["followed_exact"] == [True]
+        assert 0.3 < report["bytes"][0] / report["alone_bytes"] < 0.7  # about half each
+    assert sum(r["bytes"][0] for r in reports) == reports[0]["alone_bytes"]  # together: one copy
+    assert [r["parts"] for r in reports] == [[3, 3], [3, 3]]  # its own rank's chain: base + 2 deltas

@@ -80,7 +80,7 @@ class _End:
         self.error = error
 
 
-_NONE, _TIMED_OUT = -1, -2  # producer decisions besides a step number
+_NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # producer decisions besides a step number
 
 
 def follow(
@@ -110,14 +110,16 @@ def follow(
     def produce() -> None:
         last, skipped, idle_since = None, [], time.monotonic()
         try:
-            while not stop.is_set():
+            while True:
                 steps = loader.steps()
                 newest = steps[-1] if steps and (last is None or steps[-1] > last) else _NONE
                 if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
                     newest = _TIMED_OUT
-                if loader.group is not None:  # the replica's workers follow group rank 0's choice
+                if stop.is_set():
+                    newest = _STOPPED
+                if loader.group is not None:  # a replica's workers all do what group rank 0 does
                     newest = agree(newest, loader.group)
-                if newest == _TIMED_OUT:
+                if newest in (_STOPPED, _TIMED_OUT):
                     hand_over(_End())
                     return
                 if newest == _NONE:
@@ -131,9 +133,8 @@ def follow(
                     last = newest
                     continue
                 assert loader.last_report is not None
-                item = FollowedStep(step, tensors, 0, loader.last_report, tuple(skipped))
-                if not hand_over(item):
-                    return
+                # A stopped caller takes nothing more; the loop then ends at the next decision.
+                hand_over(FollowedStep(step, tensors, 0, loader.last_report, tuple(skipped)))
                 last, skipped, idle_since = step, [], time.monotonic()
         except Exception as err:  # a store that fails for good: re-raised in the caller's thread
             hand_over(_End(err))

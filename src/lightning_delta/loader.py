@@ -174,7 +174,8 @@ class DeltaLoader:
         with `catch_up` such a step is dropped and the follower waits for the newest one instead.
         `timeout` ends the iteration after that many seconds without a new step.  While
         following, the loader's other methods must not be called from another thread.  With a
-        `process_group`, every worker of the replica must follow, and group rank 0 picks the steps.
+        `process_group`, every worker of the replica follows, group rank 0 picks the steps, and
+        the iteration ends for all of them when it ends for group rank 0.
         """
         return follow(
             self,
