@@ -1,10 +1,13 @@
-"""Follow a delta chain, swap each verified step into a local model copy, and generate from it.
+"""Follow a delta chain, swap each verified step into a tiny Llama (transformers), generate from it.
 
-    python scripts/generate.py                          # the chain scripts/train.py wrote
+    python scripts/generate.py                               # replay the chain scripts/train.py wrote
+    python scripts/generate.py loader.jump=true loader.timeout=null   # follow a live run, newest step first
     python scripts/generate.py store.url=/tmp/chain loader.device=cuda
 
-The model never sees a step that did not rebuild bit-exactly: `DeltaLoader.apply_to` verifies
-every checksum and link before it copies anything.
+Each step is fetched and verified in the background while the model generates on the previous
+one; the model never sees a step that did not rebuild bit-exactly.  Per step it prints how far
+behind the store it is, what it fetched, how long rebuilding took, the pause of the swap itself,
+and how far its log-probs of the trainer's probe batch are from the trainer's (0: same numbers).
 """
 
 from __future__ import annotations
@@ -19,16 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, os.path.dirname(__file__))
 from lightning_delta import DeltaLoader
 from lightning_delta.config import GenerateConfig, register_configs
-from tinylm import TinyLM
+from tinylm import probe_batch, probe_logprobs, tiny_llama
 
 register_configs()
 
 
 @torch.no_grad()
-def greedy(model: TinyLM, prompt: torch.Tensor, new_tokens: int, context: int) -> list[int]:
+def greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, context: int) -> list[int]:
     tokens = prompt
     for _ in range(new_tokens):
-        logits = model(tokens[:, -context:])
+        logits = model(tokens[:, -context:]).logits
         tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return tokens[0, prompt.shape[1] :].tolist()
 
@@ -36,19 +39,35 @@ def greedy(model: TinyLM, prompt: torch.Tensor, new_tokens: int, context: int) -
 @hydra.main(version_base="1.3", config_path="pkg://lightning_delta.conf", config_name="generate")
 def main(raw: DictConfig) -> None:
     cfg: GenerateConfig = OmegaConf.to_object(raw)
-    loader = DeltaLoader(cfg.store.url, storage_options=cfg.store.storage_options, device=cfg.loader.device)
-    model = TinyLM(**vars(cfg.model)).to(cfg.loader.device).eval()
-    prompt = torch.arange(4, device=cfg.loader.device).unsqueeze(0)
-    steps = loader.steps()
-    if not steps:
+    device = cfg.loader.device
+    loader = DeltaLoader(
+        cfg.store.url, storage_options=cfg.store.storage_options, device=device, progress=cfg.loader.progress
+    )
+    if not loader.steps():
         raise SystemExit(f"no complete step in {cfg.store.url}: run scripts/train.py first")
-    print(f"{'step':>5} {'kind':>5} {'fetched':>10} {'rebuild':>9}  generated")
-    for step in steps:
-        loader.apply_to(model, step)
-        r = loader.last_report
+    model = tiny_llama(**vars(cfg.model)).to(device=device, dtype=torch.bfloat16).eval()
+    prompt = torch.arange(4, device=device).unsqueeze(0)
+    probe = probe_batch(cfg.model, cfg.probe_seed).to(device)
+    print(f"{'step':>5} {'kind':>5} {'behind':>6} {'fetched':>10} {'rebuild':>9} {'swap':>8} {'probe err':>9}  generated")
+    applied = 0
+    for followed in loader.follow(
+        poll_seconds=cfg.loader.poll_seconds,
+        prefetch=cfg.loader.prefetch,
+        max_staleness=cfg.loader.max_staleness,
+        catch_up=cfg.loader.catch_up,
+        jump=cfg.loader.jump,
+        timeout=cfg.loader.timeout,
+    ):
+        swap = followed.apply_to(model)
+        r = followed.report
+        error = f"{followed.probe_error(probe_logprobs(model, probe)):9.2g}" if followed.probe else f"{'-':>9}"
         tokens = greedy(model, prompt, cfg.new_tokens, cfg.model.context)
-        print(f"{r.step:5d} {r.kind.value:>5} {r.payload_bytes / 1024:8.1f}KiB {r.seconds * 1e3:7.1f}ms  {tokens}")
-    print(f"applied {len(steps)} steps; every tensor of each rebuilt bit-exactly (checksums and chain links verified)")
+        print(
+            f"{r.step:5d} {r.kind.value:>5} {followed.behind:6d} {r.payload_bytes / 1024:8.1f}KiB "
+            f"{r.seconds * 1e3:7.1f}ms {swap * 1e3:6.2f}ms {error}  {tokens}"
+        )
+        applied += 1
+    print(f"applied {applied} steps; every tensor of each rebuilt bit-exactly (checksums and chain links verified)")
 
 
 if __name__ == "__main__":

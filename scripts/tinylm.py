@@ -1,4 +1,8 @@
-"""A small decoder-only transformer shared by the example scripts, the benchmarks and the tests."""
+"""Small models shared by the example scripts, the benchmarks and the tests.
+
+`TinyLM` is a plain torch transformer (benchmarks, tests); `tiny_llama` a Hugging Face Llama built
+from a config, with no download (the example training and generation scripts).
+"""
 
 from __future__ import annotations
 
@@ -54,3 +58,16 @@ def tiny_llama(vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 2, 
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def probe_batch(cfg, seed: int, rows: int = 4) -> Tensor:
+    """A fixed batch of token ids, the same wherever it is drawn with the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab, (rows, cfg.context), generator=generator)
+
+
+@torch.no_grad()
+def probe_logprobs(model: nn.Module, tokens: Tensor) -> Tensor:
+    """Log-probability of each next token of `tokens` under a causal LM (fp32)."""
+    logits = model(tokens[:, :-1]).logits.float()
+    return logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -1,4 +1,4 @@
-"""Train a small transformer with Lightning at an RL-like learning rate, publishing a delta chain.
+"""Train a tiny Llama (transformers) with Lightning at an RL-like learning rate, publishing a delta chain.
 
     python scripts/train.py                                   # local store runs/demo/store
     python scripts/train.py delta.base_every=10 steps=60 store.url=/tmp/chain
@@ -6,7 +6,8 @@
 
 The objective is a stand-in for an RL loss (cross-entropy on synthetic sequences); what matters
 here is the optimizer: AdamW with fp32 masters at lr ~1e-6, whose bf16 casts change a few percent
-of elements per step.
+of elements per step.  With each step it also publishes the log-probs of a fixed probe batch,
+computed from the bf16 weights that ship, which scripts/generate.py recomputes after each swap.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from lightning_delta import Store
 from lightning_delta.config import TrainConfig, register_configs
 from lightning_delta.format import Kind
-from tinylm import TinyLM
+from tinylm import probe_batch, probe_logprobs, tiny_llama
 
 register_configs()
 
@@ -33,17 +34,23 @@ class PolicyModule(pl.LightningModule):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
         self.lr = cfg.lr
-        self.policy = TinyLM(**vars(cfg.model))
+        self.policy = tiny_llama(**vars(cfg.model))
+        self.shipped = tiny_llama(**vars(cfg.model)).to(torch.bfloat16)  # the rollout side's view
+        self.probe_tokens = probe_batch(cfg.model, cfg.probe_seed)
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
-        logits = self.policy(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = self.policy(tokens, labels=tokens).loss
         self.log("loss", loss, prog_bar=True)
         return loss
 
+    def probe(self) -> torch.Tensor:
+        """Log-probs of the probe batch under the bf16 weights that are published."""
+        self.shipped.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.policy.state_dict().items()})
+        return probe_logprobs(self.shipped, self.probe_tokens)
+
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=0.01)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_delta.conf", config_name="train")
@@ -58,7 +65,7 @@ def main(raw: DictConfig) -> None:
         accelerator="cpu",
         devices=1,
         max_steps=cfg.steps,
-        callbacks=[cfg.delta.callback(cfg.store, submodule="policy")],
+        callbacks=[cfg.delta.callback(cfg.store, submodule="policy", probe=PolicyModule.probe)],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -71,7 +78,7 @@ def summarize(store: Store) -> None:
     """One line per kind: how much the chain holds against shipping the full model every step."""
     steps = store.published_steps()
     headers = [store.read_part(s, 0, 1)[0] for s in steps]
-    dense = 2 * sum(e.numel for e in headers[0].tensors)
+    dense = 2 * headers[0].numel
     for kind in Kind:
         sizes = [h.payload_bytes for h in headers if h.kind == kind]
         if sizes:

@@ -18,6 +18,10 @@ from .format import DTYPE_NAMES
 from .publisher import Backlog, check_schedule
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+
     from .callback import DeltaCallback
 
 __all__ = ["DType", "DeltaConfig", "GenerateConfig", "LoaderConfig", "StoreConfig", "TrainConfig", "register_configs"]
@@ -58,8 +62,13 @@ class DeltaConfig:
     def __post_init__(self) -> None:
         check_schedule(self.base_every, self.max_pending, self.keep_bases)
 
-    def callback(self, store: StoreConfig, submodule: str | None = None) -> DeltaCallback:
-        """The Lightning callback this config describes."""
+    def callback(
+        self,
+        store: StoreConfig,
+        submodule: str | None = None,
+        probe: Callable[[pl.LightningModule], torch.Tensor] | None = None,
+    ) -> DeltaCallback:
+        """The Lightning callback this config describes (`probe`: see `DeltaCallback`)."""
         from .callback import DeltaCallback
 
         return DeltaCallback(
@@ -72,6 +81,7 @@ class DeltaConfig:
             backlog=self.backlog,
             max_pending=self.max_pending,
             keep_bases=self.keep_bases,
+            probe=probe,
         )
 
 
@@ -79,11 +89,24 @@ class DeltaConfig:
 class LoaderConfig:
     device: str = "cpu"
     """Where reconstruction happens and where the model lives."""
+    poll_seconds: float = 1.0
+    prefetch: int = 1
+    """Rebuilt steps that may wait while the caller works on the current one."""
+    max_staleness: int | None = None
+    """Warn when a handed-out step is more than this many published steps behind."""
+    catch_up: bool = False
+    """With max_staleness: drop such a step and wait for the newest one instead."""
+    jump: bool = True
+    """Jump to the newest complete step; False hands out every complete step in order (replay)."""
+    timeout: float | None = None
+    """Stop following after this many seconds without a new step; None follows forever."""
+    progress: bool = True
+    """Progress bars while a step is fetched from a base."""
 
 
 @dataclass
 class ModelConfig:
-    """The example TinyLM of scripts/."""
+    """The example model of scripts/: a tiny Llama built from a config."""
 
     vocab: int = 97
     dim: int = 64
@@ -101,6 +124,8 @@ class TrainConfig:
     lr: float = 2e-6
     batch_size: int = 8
     seed: int = 0
+    probe_seed: int = 0
+    """Seed of the fixed probe batch whose log-probs are published with each step."""
 
 
 @dataclass
@@ -109,6 +134,8 @@ class GenerateConfig:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     new_tokens: int = 12
+    probe_seed: int = 0
+    """Seed of the fixed probe batch, the same in train.py and generate.py."""
 
 
 def register_configs() -> None:

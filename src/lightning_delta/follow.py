@@ -90,6 +90,7 @@ def follow(
     prefetch: int = 1,
     max_staleness: int | None = None,
     catch_up: bool = False,
+    jump: bool = True,
     timeout: float | None = None,
 ) -> Iterator[FollowedStep]:
     """Yield each newer complete, verified step; see `DeltaLoader.follow`."""
@@ -111,8 +112,8 @@ def follow(
         last, skipped, idle_since = None, [], time.monotonic()
         try:
             while True:
-                steps = loader.steps()
-                newest = steps[-1] if steps and (last is None or steps[-1] > last) else _NONE
+                newer = [s for s in loader.steps() if last is None or s > last]
+                newest = (newer[-1] if jump else newer[0]) if newer else _NONE
                 if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
                     newest = _TIMED_OUT
                 if stop.is_set():

@@ -163,6 +163,7 @@ class DeltaLoader:
         prefetch: int = 1,
         max_staleness: int | None = None,
         catch_up: bool = False,
+        jump: bool = True,
         timeout: float | None = None,
     ) -> Iterator[FollowedStep]:
         """Watch the store and yield each newer complete step, verified, as a `FollowedStep`.
@@ -172,6 +173,7 @@ class DeltaLoader:
         step; one whose chain broke waits for the next step that rebuilds.  `max_staleness` logs
         a warning when a step is more than that many published steps behind as it is handed out;
         with `catch_up` such a step is dropped and the follower waits for the newest one instead.
+        `jump=False` hands out every complete step in order instead (a replay, for evaluation).
         `timeout` ends the iteration after that many seconds without a new step.  While
         following, the loader's other methods must not be called from another thread.  With a
         `process_group`, every worker of the replica follows, group rank 0 picks the steps, and
@@ -183,6 +185,7 @@ class DeltaLoader:
             prefetch=prefetch,
             max_staleness=max_staleness,
             catch_up=catch_up,
+            jump=jump,
             timeout=timeout,
         )
 
