@@ -48,7 +48,8 @@ def main(raw: DictConfig) -> None:
     model = tiny_llama(**vars(cfg.model)).to(device=device, dtype=torch.bfloat16).eval()
     prompt = torch.arange(4, device=device).unsqueeze(0)
     probe = probe_batch(cfg.model, cfg.probe_seed).to(device)
-    print(f"{'step':>5} {'kind':>5} {'behind':>6} {'fetched':>10} {'rebuild':>9} {'swap':>8} {'probe err':>9}  generated")
+    columns = f"{'step':>5} {'kind':>5} {'behind':>6} {'fetched':>10} {'rebuild':>9} {'swap':>8} {'probe err':>9}"
+    print(f"{columns}  generated")
     applied = 0
     for followed in loader.follow(
         poll_seconds=cfg.loader.poll_seconds,

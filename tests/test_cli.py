@@ -43,6 +43,17 @@ def test_hydra_overrides_reach_the_callback(chain):
     assert bases == [1, 6, 11]  # delta.base_every=5 from the command line
 
 
+def test_generate_replays_every_step_with_the_trainers_probe(chain, tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), f"store.url={chain}", "model.dim=32"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, 13))
+    assert [int(r[2]) for r in rows] == list(range(11, -1, -1))  # behind the newest step
+    assert all(float(r[6]) == 0.0 for r in rows)  # same log-probs as the trainer's bf16 weights
+    assert "applied 12 steps" in proc.stdout
+
+
 def test_an_unknown_override_key_fails(tmp_path):
     proc = train(tmp_path, "delta.base_evry=5", f"store.url={tmp_path / 'store'}")
     assert proc.returncode != 0 and "base_evry" in proc.stderr

@@ -129,3 +129,31 @@ def test_a_poll_lists_a_constant_number_of_folders(store_url):
     CountingStore.listings = 0
     assert loader.steps()[-1] == 21 and CountingStore.listings == 2  # steps/ and the new step
     trainer.publisher.close()
+
+
+def test_replay_hands_out_every_complete_step_in_order(store_url):
+    trainer = Trainer(store_url, base_every=4)
+    trainer.steps(9)
+    seen = list(DeltaLoader(store_url).follow(poll_seconds=0.01, jump=False, timeout=0.3))
+    assert [f.step for f in seen] == list(range(1, 10))
+    assert [f.behind for f in seen] == list(range(8, -1, -1))
+    for f in seen:
+        assert_exact(f, trainer.truth)
+    trainer.publisher.close()
+
+
+def test_catch_up_drops_steps_staler_than_max_staleness(store_url, caplog):
+    trainer = Trainer(store_url)
+    trainer.steps(3)
+    caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, max_staleness=1, catch_up=True, timeout=1.0)
+    assert next(follower).step == 3
+    # While the caller "generates", step 4 is prefetched, then four more are published: step 4
+    # is 4 behind when handed out, so it is dropped for the newest.
+    trainer.steps(1)
+    time.sleep(0.3)
+    trainer.steps(4)
+    rest = [f for f in follower]
+    assert rest and rest[-1].step == 8 and all(f.behind <= 1 for f in rest)
+    assert any("behind the store" in r.message for r in caplog.records)
+    trainer.publisher.close()
