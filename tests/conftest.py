@@ -4,8 +4,10 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from torch import Tensor
@@ -47,3 +49,28 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> 
 @pytest.fixture
 def store_url(tmp_path: Path) -> str:
     return str(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def aws_env() -> None:
+    """Test credentials for moto, in the environment (subprocesses inherit them)."""
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(aws_env):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_endpoint) -> tuple[str, dict]:
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}, "skip_instance_cache": True}
+    bucket = f"chain-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    return f"s3://{bucket}/run", options

@@ -3,7 +3,6 @@ endpoint (moto's server on 127.0.0.1, as s3fs's own tests do), plus the 2-rank r
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import fsspec
@@ -15,26 +14,6 @@ from conftest import ROOT, bitwise_equal, torchrun
 from lightning_delta import DeltaLoader, DeltaPublisher, FormatError, PublishError, Store
 from lightning_delta import format as fmt
 from tinylm import TinyLM
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_url(s3_endpoint) -> tuple[str, dict]:
-    options = {"client_kwargs": {"endpoint_url": s3_endpoint}, "skip_instance_cache": True}
-    bucket = f"chain-{uuid.uuid4().hex[:12]}"
-    fsspec.filesystem("s3", **options).mkdir(bucket)
-    return f"s3://{bucket}/run", options
 
 
 @pytest.fixture(params=["local", "memory", "s3"])

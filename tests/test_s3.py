@@ -1,0 +1,193 @@
+"""Faults and concurrency against a real S3 endpoint (moto's server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import fsspec
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import ROOT, bitwise_equal
+from lightning_delta import (
+    ChainError,
+    ChecksumError,
+    DeltaLoader,
+    DeltaPublisher,
+    FormatError,
+    SnapshotNotFoundError,
+    Store,
+)
+from lightning_delta import format as fmt
+from lightning_delta.shards import named_tensors
+from tinylm import TinyLM
+
+
+def bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(model).items()}
+
+
+def train(publisher: DeltaPublisher, model: TinyLM, steps: range, pause: float = 0.0, on_step=None) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    truth = {}
+    for step in steps:
+        model(torch.randint(0, 97, (2, 9))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        truth[step] = bf16(model)
+        publisher.publish(step)
+        if on_step:
+            on_step(step)
+        time.sleep(pause)
+    return truth
+
+
+def test_publishing_rides_out_an_endpoint_restart(aws_env):
+    """The endpoint goes away for two seconds in the middle of a run: botocore's retries (set
+    through storage_options) carry the uploads over, nothing is lost, every step is exact."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+        "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}, "connect_timeout": 1},
+    }
+    bucket = f"restart-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
+    url = f"s3://{bucket}/run"
+    restarted = []
+
+    def outage(step: int) -> None:
+        if step == 4:
+            server.stop()  # moto keeps its state in this process: a restart on the port resumes it
+
+            def restart() -> None:
+                time.sleep(2.0)
+                restarted.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port))
+                restarted[0].start()
+
+            threading.Thread(target=restart).start()
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    try:
+        with DeltaPublisher(url, model, base_every=5, storage_options=options) as publisher:
+            truth = train(publisher, model, range(1, 11), on_step=outage)
+        loader = DeltaLoader(url, storage_options=options)
+        assert loader.steps() == list(range(1, 11))
+        for step in loader.steps():
+            state = loader.state_dict(step)[1]
+            assert all(bitwise_equal(state[k], v) for k, v in truth[step].items()), step
+    finally:
+        for s in restarted:
+            s.stop()
+
+
+@pytest.mark.parametrize(
+    "damage, error",
+    [
+        ("truncate", FormatError),
+        ("flip", ChecksumError),
+        ("delete blob", FormatError),
+        ("delete marker", ChainError),
+    ],
+)
+def test_an_object_damaged_on_s3_is_refused_and_the_chain_recovers_at_the_next_base(s3_url, damage, error):
+    url, options = s3_url
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(url, model, base_every=4, storage_options=options) as publisher:
+        truth = train(publisher, model, range(1, 9))  # bases at 1 and 5
+    fs = fsspec.filesystem("s3", **options)
+    blob = f"{url}/{fmt.blob_path(3, 0, 1)}".removeprefix("s3://")
+    if damage == "truncate":
+        fs.pipe_file(blob, fs.cat_file(blob)[:-10])
+    elif damage == "flip":
+        data = bytearray(fs.cat_file(blob))
+        data[-5] ^= 0x10
+        fs.pipe_file(blob, bytes(data))
+    elif damage == "delete blob":
+        fs.rm(blob)
+    else:
+        fs.rm(blob + ".commit")
+    loader = DeltaLoader(url, storage_options=options)
+    with pytest.raises(error):
+        loader.state_dict(4)  # a delta on top of the damaged step 3
+    with pytest.raises(SnapshotNotFoundError if damage == "delete marker" else error):
+        loader.state_dict(3)
+    for step in (2, 5, 8):  # before the damage, and from the next base on: intact
+        state = loader.state_dict(step)[1]
+        assert all(bitwise_equal(state[k], v) for k, v in truth[step].items()), step
+
+
+@pytest.mark.slow
+def test_three_follower_processes_one_late_end_on_the_trainers_last_step(s3_url, tmp_path):
+    url, options = s3_url
+    endpoint = options["client_kwargs"]["endpoint_url"]
+
+    def follower(name: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(ROOT / "tests" / "follow_job.py"), url, endpoint, str(tmp_path / name)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    procs = [follower("a.safetensors"), follower("b.safetensors")]
+    late: list[subprocess.Popen] = []
+    time.sleep(3.0)  # let the first two start following before anything is published
+    with DeltaPublisher(url, model, base_every=10, storage_options=options) as publisher:
+        truth = train(
+            publisher,
+            model,
+            range(1, 51),
+            pause=0.05,
+            on_step=lambda step: late.append(follower("late.safetensors")) if step == 30 else None,
+        )
+    for proc in procs + late:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    for name in ("a", "b", "late"):
+        path = tmp_path / f"{name}.safetensors"
+        state = load_file(path)
+        assert state.keys() == truth[50].keys()
+        assert all(bitwise_equal(state[k], v) for k, v in truth[50].items()), name
+        with safe_open(path, "pt") as f:
+            seen = json.loads(f.metadata()["seen"])
+        assert seen[-1] == 50 and seen == sorted(set(seen)), (name, seen)
+        if name == "late":
+            assert seen[0] >= 30  # it joined late: started from what was newest, not from step 1
+        else:
+            assert len(seen) > 1  # it followed while the chain was written
+
+
+def test_credentials_never_reach_logs_reprs_or_errors(s3_endpoint, caplog, tmp_path):
+    secret = "SECRET-" + uuid.uuid4().hex
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}, "key": "testing", "secret": secret}
+    bucket = f"creds-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
+    url = f"s3://{bucket}/run"
+    caplog.set_level(logging.DEBUG)
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(url, model, base_every=2, storage_options=options) as publisher:
+        train(publisher, model, range(1, 4))
+    store = Store(url, options)
+    loader = DeltaLoader(store)
+    loader.state_dict()
+    messages = [repr(store), str(loader.store.url)]
+    for attempt in (lambda: loader.state_dict(99), lambda: Store(url + "-other", options).read("nothing")):
+        try:
+            attempt()
+        except Exception as err:  # the errors a user would see and paste into an issue
+            messages.append(f"{type(err).__name__}: {err}")
+    assert len(messages) == 4
+    assert not any(secret in m for m in messages + [r.getMessage() for r in caplog.records])
