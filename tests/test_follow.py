@@ -108,26 +108,28 @@ def test_a_corrupt_step_never_reaches_the_live_model(store_url):
     trainer.publisher.close()
 
 
-def test_a_poll_lists_a_constant_number_of_folders(store_url):
+def test_a_poll_lists_one_block_however_long_the_run(store_url):
     from lightning_delta import Store
 
     class CountingStore(Store):
-        listings = 0
+        listed: list[str] = []
 
         def list(self, key: str) -> list[str]:
-            CountingStore.listings += 1
+            CountingStore.listed.append(key)
             return super().list(key)
 
     trainer = Trainer(store_url)
-    trainer.steps(20)
+    trainer.step = 994  # steps 995..1004 straddle the first block boundary
+    trainer.steps(10)
     loader = DeltaLoader(CountingStore(store_url))
-    assert loader.steps() == list(range(1, 21))
-    CountingStore.listings = 0
-    loader.steps()
-    assert CountingStore.listings == 1  # steps/ only: every step is known complete
+    assert loader.steps() == list(range(995, 1005))  # a full listing: steps/, both blocks, new steps
+    CountingStore.listed = []
+    assert loader.steps(after=1000) == [1001, 1002, 1003, 1004]
+    assert CountingStore.listed == [fmt.block_dir(1)]  # the `latest` pointer names the block
     trainer.steps(1)
-    CountingStore.listings = 0
-    assert loader.steps()[-1] == 21 and CountingStore.listings == 2  # steps/ and the new step
+    CountingStore.listed = []
+    assert loader.steps(after=1004) == [1005]
+    assert CountingStore.listed == [fmt.block_dir(1), fmt.step_dir(1005)]  # and the one new step
     trainer.publisher.close()
 
 

@@ -104,7 +104,8 @@ def test_commit_marker_round_trip_and_verification():
 
 
 def test_part_names():
-    assert fmt.commit_path(7, 1, 2) == "steps/000000000007/rank-00001-of-00002.ldelta.commit"
+    assert fmt.commit_path(7, 1, 2) == "steps/000000000/000000000007/rank-00001-of-00002.ldelta.commit"
+    assert fmt.step_dir(123456) == "steps/000000123/000000123456"
     assert fmt.parse_part_name("rank-00001-of-00002.ldelta.commit") == (1, 2)
     assert fmt.parse_part_name("rank-00002-of-00002.ldelta.commit") is None
     assert fmt.parse_part_name("rank-00001-of-00002.ldelta") is None

@@ -29,15 +29,15 @@ def store(request, tmp_path) -> Store:
 
 class TestStoreConformance:
     def test_write_read_list_delete(self, store):
-        store.write("steps/000000000001/a", b"one")
-        store.write("steps/000000000001/b", b"two")
-        assert store.read("steps/000000000001/a") == b"one"
-        assert store.list("steps/000000000001") == ["a", "b"]
+        store.write("steps/000000000/000000000001/a", b"one")
+        store.write("steps/000000000/000000000001/b", b"two")
+        assert store.read("steps/000000000/000000000001/a") == b"one"
+        assert store.list("steps/000000000/000000000001") == ["a", "b"]
         assert store.published_steps() == [1]
-        store.delete(["steps/000000000001/a"])
-        assert store.list("steps/000000000001") == ["b"]
+        store.delete(["steps/000000000/000000000001/a"])
+        assert store.list("steps/000000000/000000000001") == ["b"]
         with pytest.raises(FileNotFoundError):
-            store.read("steps/000000000001/a")
+            store.read("steps/000000000/000000000001/a")
         assert store.list("steps/000000000404") == []
 
     def test_a_step_is_visible_only_when_every_rank_committed(self, store):

@@ -112,7 +112,7 @@ def follow(
         last, skipped, idle_since = None, [], time.monotonic()
         try:
             while True:
-                newer = [s for s in loader.steps() if last is None or s > last]
+                newer = loader.steps(after=last)
                 newest = (newer[-1] if jump else newer[0]) if newer else _NONE
                 if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
                     newest = _TIMED_OUT
@@ -149,7 +149,7 @@ def follow(
                 if item.error is not None:
                     raise item.error
                 return
-            behind = sum(1 for s in loader.steps() if s > item.step)
+            behind = len(loader.steps(after=item.step))
             if max_staleness is not None and behind > max_staleness:
                 log.warning("following %s: step %d is %d steps behind the store", loader.store.url, item.step, behind)
                 if catch_up:  # the producer is already rebuilding the newest step: wait for that one

@@ -2,7 +2,7 @@
 
 A part is two objects (docs/FORMAT.md has the byte-level rules):
 
-* the blob `steps/<step:012d>/rank-<r:05d>-of-<w:05d>.ldelta`:
+* the blob `steps/<step // 1000:09d>/<step:012d>/rank-<r:05d>-of-<w:05d>.ldelta`:
   8-byte magic, u64 little-endian header length, a UTF-8 JSON header, then the tensor payloads
   back to back, exactly as the header's offsets say (no holes, nothing after);
 * the commit marker `<same name>.commit`: JSON with the blob's size and SHA-256, written only
@@ -44,6 +44,7 @@ __all__ = [
     "encode_commit",
     "header_end",
     "parse_part_name",
+    "block_dir",
     "step_dir",
     "verify_blob",
 ]
@@ -124,8 +125,18 @@ class PartHeader:
 # ----------------------------------------------------------------------------- names
 
 
+STEPS_PER_BLOCK = 1000
+"""Step folders are grouped in blocks, so a poll lists one block, not the whole run."""
+LATEST = "latest"
+"""Key of the pointer rank 0 rewrites after each of its commits: `{"step": N}`."""
+
+
+def block_dir(block: int) -> str:
+    return f"steps/{block:09d}"
+
+
 def step_dir(step: int) -> str:
-    return f"steps/{step:012d}"
+    return f"{block_dir(step // STEPS_PER_BLOCK)}/{step:012d}"
 
 
 def blob_path(step: int, rank: int, world_size: int) -> str:

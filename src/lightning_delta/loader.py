@@ -92,15 +92,17 @@ class DeltaLoader:
         self._complete: dict[int, int] = {}  # step -> world size, for steps seen complete
         self.last_report: LoadReport | None = None
 
-    def steps(self) -> list[int]:
-        """Steps whose every rank part is committed, ascending.
+    def steps(self, after: int | None = None) -> list[int]:
+        """Steps whose every rank part is committed, ascending; with `after`, only later ones.
 
         Parts are never rewritten, so a step seen complete stays complete until it is deleted:
-        a poll lists `steps/` and only the step folders not yet seen complete.
+        a poll lists the step folders and looks into only those not yet seen complete.  With
+        `after` it lists only the newest block of folders (see `Store.published_steps`).
         """
-        listed = self.store.published_steps()
-        present = set(listed)  # steps deleted by retention drop out
-        self._complete = {s: w for s, w in self._complete.items() if s in present}
+        listed = self.store.published_steps(after)
+        if after is None:  # a full listing: steps deleted by retention drop out
+            present = set(listed)
+            self._complete = {s: w for s, w in self._complete.items() if s in present}
         for step in listed:
             if step not in self._complete and (world := self.store.complete_world_size(step)):
                 self._complete[step] = world

@@ -358,6 +358,8 @@ class DeltaPublisher:
         blob = fmt.encode_blob(header, payloads)
         self.store.commit_part(header.step, header.rank, header.world_size, blob)
         self._checksums = checksums  # only now: a failed upload leaves the chain to the next base
+        if self.rank == 0:
+            self.store.advance_latest(header.step)
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
         dense = header.numel * self.dtype.itemsize

@@ -9,6 +9,7 @@ and renamed, so a reader never opens a half-written file either.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections import defaultdict
@@ -112,9 +113,34 @@ class Store:
                 ranks[parsed[1]].add(parsed[0])
         return ranks
 
-    def published_steps(self) -> list[int]:
-        """Steps whose directory exists, ascending (complete or not)."""
-        return sorted(int(name) for name in self.list("steps") if name.isdigit())
+    def published_steps(self, after: int | None = None) -> list[int]:
+        """Steps whose folder exists, ascending (complete or not); with `after`, only later ones.
+
+        With `after` and the `latest` pointer, only the blocks from `after`'s to the pointer's
+        are listed: a follower's poll costs the same at step 10 and at step 10 million.
+        """
+        latest = self.latest() if after is not None else None
+        if after is not None and latest is not None:
+            blocks: Iterable[int] = range(after // fmt.STEPS_PER_BLOCK, max(after, latest) // fmt.STEPS_PER_BLOCK + 1)
+        else:
+            blocks = sorted(int(n) for n in self.list("steps") if n.isdigit())
+            if after is not None:
+                blocks = [b for b in blocks if b >= after // fmt.STEPS_PER_BLOCK]
+        steps = [int(n) for b in blocks for n in self.list(fmt.block_dir(b)) if n.isdigit()]
+        return sorted(s for s in steps if after is None or s > after)
+
+    def latest(self) -> int | None:
+        """The newest step rank 0 committed, from the `latest` pointer; None without one."""
+        try:
+            raw = json.loads(self.read(fmt.LATEST))
+        except (FileNotFoundError, ValueError):
+            return None
+        step = raw.get("step") if isinstance(raw, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+    def advance_latest(self, step: int) -> None:
+        """Point `latest` at `step` (rank 0, after committing it): a hint, never trusted for data."""
+        self.write(fmt.LATEST, json.dumps({"step": step}).encode())
 
     def complete_world_size(self, step: int) -> int | None:
         """The world size whose every rank committed `step`, None if no such set exists."""
