@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -112,7 +113,7 @@ def test_a_poll_lists_one_block_however_long_the_run(store_url):
     from lightning_delta import Store
 
     class CountingStore(Store):
-        listed: list[str] = []
+        listed: ClassVar[list[str]] = []
 
         def list(self, key: str) -> list[str]:
             CountingStore.listed.append(key)

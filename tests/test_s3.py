@@ -191,3 +191,49 @@ def test_credentials_never_reach_logs_reprs_or_errors(s3_endpoint, caplog, tmp_p
             messages.append(f"{type(err).__name__}: {err}")
     assert len(messages) == 4
     assert not any(secret in m for m in messages + [r.getMessage() for r in caplog.records])
+
+
+CRASHING_TRAINER = """
+import os, sys, torch
+sys.path.insert(0, {scripts!r})
+from lightning_delta import DeltaPublisher, Store
+from tinylm import TinyLM
+
+real_write = Store.write
+def write(self, key, data, *, exclusive=False):
+    if key.endswith(".commit") and "/000000000005/" in key:
+        os._exit(3)  # killed between step 5's blob and its commit marker
+    real_write(self, key, data, exclusive=exclusive)
+Store.write = write
+
+torch.manual_seed(0)
+model = TinyLM()
+with DeltaPublisher({url!r}, model, base_every=3, storage_options={options!r}) as publisher:
+    for step in range(1, 7):
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-2)
+        publisher.publish(step)
+        publisher.flush()
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_upload_leaves_no_visible_step_and_the_next_run_heals_the_chain(s3_url):
+    url, options = s3_url
+    script = CRASHING_TRAINER.format(scripts=str(ROOT / "scripts"), url=url, options=options)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    store, loader = Store(url, options), DeltaLoader(url, storage_options=options)
+    assert store.published_steps() == [1, 2, 3, 4, 5]  # step 5's blob is there ...
+    assert loader.steps() == [1, 2, 3, 4]  # ... but without its marker no reader sees it
+    held = loader.state_dict(4)[0]
+    # The next run starts past everything in the store; its first step is a base.
+    torch.manual_seed(1)
+    model = TinyLM()
+    with DeltaPublisher(url, model, base_every=3, storage_options=options) as publisher:
+        truth = train(publisher, model, range(store.published_steps()[-1] + 1, 9))
+    assert loader.steps() == [1, 2, 3, 4, 6, 7, 8]
+    for step in (6, 7, 8):  # a loader that held step 4 re-syncs at the new run's base
+        state = loader.state_dict(step)[1]
+        assert all(bitwise_equal(state[k], v) for k, v in truth[step].items()), step
+    assert held == 4 and loader.last_report.parts_read == 1  # step 8 came from held step 7
