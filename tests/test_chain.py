@@ -275,3 +275,27 @@ def test_a_snapshot_that_fails_halfway_makes_the_next_publish_a_base(store_url):
     assert Store(store_url).read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
     step, state = DeltaLoader(store_url).state_dict()
     assert step == 3 and torch.equal(state["a"], torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_url):
+    release = threading.Event()
+
+    class GatedStore(Store):
+        def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+            if f"/{1:012d}/" in key:
+                release.wait(10)  # step 1's upload hangs until the test lets it go
+            super().write(key, data, exclusive=exclusive)
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    pub = DeltaPublisher(GatedStore(store_url), model, max_pending=2)
+    truth = train(pub, model, 2)
+    deadline = time.monotonic() + 10
+    while not pub._encoded.full() and time.monotonic() < deadline:  # step 2, compressed, waits
+        time.sleep(0.01)
+    assert pub._encoded.full() and pub.pending == 2
+    release.set()
+    pub.close()
+    loader = DeltaLoader(store_url)
+    assert loader.steps() == [1, 2]
+    assert_state(loader.state_dict(2)[1], truth[2])

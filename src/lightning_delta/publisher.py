@@ -2,10 +2,12 @@
 
 `DeltaPublisher.publish(step)` does on the calling thread only what must see the live weights:
 cast the rank's own slices to `dtype` on their device, diff them against the cached copy from the
-last publish, pack the change (a few bytes per changed element) and start its copy to the host
-(pinned memory on a side stream on CUDA, so the training stream does not wait).  Compression,
-hashing of the blob and upload run on a worker thread; its errors are raised on the next
-`publish` or at `close`.
+last publish and write the changed elements into the cache.  Two worker threads do the rest,
+pipelined: one packs the change on its device (a few bytes per changed element), copies it to
+the host (pinned memory, on a side stream on CUDA, so the training stream never waits) and
+compresses it, while the other uploads and commits the previous snapshot (s3fs sends large
+blobs as concurrent multipart parts).  Their errors are raised on the next `publish` or at
+`close`.
 
 Each rank's parts form their own chain (each delta names the same rank's previous part), so a
 rank never waits for another: not to publish, and not to skip a step when its uploads fall behind.
@@ -72,12 +74,12 @@ class PublishStats:
 
 @dataclass(frozen=True)
 class UploadStats:
-    """What the worker thread did for one published step."""
+    """What the worker threads did for one published step."""
 
     step: int
     payload_bytes: int  # tensor payloads, compressed
     dense_bytes: int  # the same slices as plain `dtype`
-    upload_ms: float  # pack, copy to the host, compress, hash and commit
+    upload_ms: float  # from the start of packing to the commit (pack, copy, compress, hash, write)
 
 
 _SMALL = 1 << 16
@@ -111,6 +113,17 @@ class _Job:
     header: fmt.PartHeader  # checksums, offsets and lengths are filled in by the worker
     pieces: list[_Piece]
     ready: torch.cuda.Event | None  # recorded on the training stream after the snapshot (CUDA)
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    header: fmt.PartHeader  # complete
+    blob: bytes
+    started: float  # when its encoding began (perf_counter)
+
+
+_FAILED = _Encoded(fmt.PartHeader("", None, 0, None, fmt.Kind.BASE, 0, 1, 0.0), b"", 0.0)
+"""Stage one's word to stage two that a snapshot was lost: deltas wait for the next base."""
 
 
 class _HostSide:
@@ -198,7 +211,7 @@ class DeltaPublisher:
         self.run_id = run_id or _shared_run_id(process_group)
         self._cache: list[_Group] | None = None
         self._host: _HostSide | None = None
-        self._checksums: list[int] = []  # worker thread: each slice's checksum as last uploaded
+        self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
         self._last_step: int | None = None
         self._last_base: int | None = None
         self._prev_snapshot_id: str | None = None
@@ -206,8 +219,13 @@ class DeltaPublisher:
         self.last_upload: UploadStats | None = None
         self._error: BaseException | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self._worker = threading.Thread(target=self._upload_loop, name="delta-upload", daemon=True)
-        self._worker.start()
+        self._encoded: queue.Queue[_Encoded | None] = queue.Queue(maxsize=1)
+        self._workers = [
+            threading.Thread(target=self._encode_loop, name="delta-encode", daemon=True),
+            threading.Thread(target=self._commit_loop, name="delta-upload", daemon=True),
+        ]
+        for worker in self._workers:
+            worker.start()
 
     # ------------------------------------------------------------------ calling thread
 
@@ -310,9 +328,10 @@ class DeltaPublisher:
 
     def close(self) -> None:
         """Flush and stop the worker.  Idempotent."""
-        if self._worker.is_alive():
+        if self._workers[0].is_alive():
             self._jobs.put(None)
-            self._worker.join()
+        for worker in self._workers:
+            worker.join()
         self._raise_worker_error()
 
     def __enter__(self) -> DeltaPublisher:
@@ -327,27 +346,45 @@ class DeltaPublisher:
             self._cache = None  # the chain is broken: start over with a base
             raise PublishError(f"uploading to {self.store.url} failed: {error}") from error
 
-    # ------------------------------------------------------------------ worker thread
+    # ------------------------------------------------------------------ worker threads
 
-    def _upload_loop(self) -> None:
-        broken = False  # after a failure, deltas would link to a part that is not there
+    def _encode_loop(self) -> None:
+        """Stage one: pack, copy to the host, compress; blobs go to the commit stage in order."""
         while True:
             job = self._jobs.get()
+            if job is None:
+                self._encoded.put(None)
+                return
             try:
-                if job is None:
+                item: _Encoded | None = self._encode(job)
+            except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
+                log.exception("delta encode failed")
+                item, self._error = _FAILED, err
+            self._encoded.put(item)
+
+    def _commit_loop(self) -> None:
+        """Stage two: upload and commit, while stage one compresses the next snapshot."""
+        broken = False  # after a failure, deltas would link to a part that is not there
+        while True:
+            item = self._encoded.get()
+            try:
+                if item is None:
                     return
-                if not broken or job.header.kind == fmt.Kind.BASE:
+                if item is _FAILED:
+                    broken = True
+                elif not broken or item.header.kind == fmt.Kind.BASE:
                     broken = False
-                    self._upload(job)
+                    self._commit(item)
             except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
                 log.exception("delta upload failed")
                 broken, self._error = True, err
             finally:
                 self._jobs.task_done()
 
-    def _upload(self, job: _Job) -> None:
+    def _encode(self, job: _Job) -> _Encoded:
         started = time.perf_counter()
         packed, checksums = self._pack(job)
+        self._checksums = checksums  # a base resets them should this part fail to commit
         payloads = [codec.serialize(p, self.codec_options) for p in packed]
         entries, offset = [], 0
         for entry, payload, value, piece in zip(job.header.payloads, payloads, checksums, job.pieces, strict=True):
@@ -355,15 +392,18 @@ class DeltaPublisher:
             entries.append(fmt.PayloadEntry(offset, len(payload), entry.numel, format_checksum(value), changed))
             offset += len(payload)
         header = fmt.PartHeader(**{**job.header.__dict__, "payloads": tuple(entries)})
-        blob = fmt.encode_blob(header, payloads)
-        self.store.commit_part(header.step, header.rank, header.world_size, blob)
-        self._checksums = checksums  # only now: a failed upload leaves the chain to the next base
+        return _Encoded(header, fmt.encode_blob(header, payloads), started)
+
+    def _commit(self, item: _Encoded) -> None:
+        header = item.header
+        self.store.commit_part(header.step, header.rank, header.world_size, item.blob)
         if self.rank == 0:
             self.store.advance_latest(header.step)
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
         dense = header.numel * self.dtype.itemsize
-        self.last_upload = UploadStats(header.step, offset, dense, (time.perf_counter() - started) * 1e3)
+        elapsed = (time.perf_counter() - item.started) * 1e3
+        self.last_upload = UploadStats(header.step, header.payload_bytes, dense, elapsed)
 
     def _pack(self, job: _Job) -> tuple[list[codec.Packed], list[int]]:
         """Per payload: its packing on the host and its checksum.
