@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from conftest import bitwise_equal
-from lightning_delta import DeltaLoader, DeltaPublisher
+from lightning_delta import DeltaLoader, DeltaPublisher, Store
 from lightning_delta import format as fmt
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
@@ -21,11 +21,11 @@ from tinylm import TinyLM
 class Trainer:
     """Publishes steps of a TinyLM on demand and remembers the true bf16 state of each."""
 
-    def __init__(self, url: str, base_every: int = 5) -> None:
+    def __init__(self, url: str, base_every: int = 5, keep_bases: int | None = None) -> None:
         torch.manual_seed(0)
         self.model, self.truth, self.step = TinyLM(), {}, 0
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.publisher = DeltaPublisher(url, self.model, base_every=base_every)
+        self.publisher = DeltaPublisher(url, self.model, base_every=base_every, keep_bases=keep_bases)
 
     def steps(self, count: int, pause: float = 0.0) -> None:
         for _ in range(count):
@@ -110,8 +110,6 @@ def test_a_corrupt_step_never_reaches_the_live_model(store_url):
 
 
 def test_a_poll_lists_one_block_however_long_the_run(store_url):
-    from lightning_delta import Store
-
     class CountingStore(Store):
         listed: ClassVar[list[str]] = []
 
@@ -160,3 +158,18 @@ def test_catch_up_drops_steps_staler_than_max_staleness(store_url, caplog):
     assert rest and rest[-1].step == 8 and all(f.behind <= 1 for f in rest)
     assert any("behind the store" in r.message for r in caplog.records)
     trainer.publisher.close()
+
+
+def test_retention_never_takes_what_a_live_follower_needs(store_url):
+    trainer = Trainer(store_url, base_every=3, keep_bases=1)  # only the newest base's segment stays
+    writer = threading.Thread(target=trainer.steps, args=(20, 0.03))
+    writer.start()
+    seen = []
+    for followed in DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=3.0):
+        assert followed.skipped == ()  # nothing it needed was ever gone
+        assert_exact(followed, trainer.truth)
+        seen.append(followed.step)
+    writer.join()
+    trainer.publisher.close()
+    assert seen[-1] == 20 and len(seen) > 3
+    assert Store(store_url).published_steps()[0] == 19  # older segments were deleted meanwhile
