@@ -237,3 +237,16 @@ def test_a_trainer_killed_mid_upload_leaves_no_visible_step_and_the_next_run_hea
         state = loader.state_dict(step)[1]
         assert all(bitwise_equal(state[k], v) for k, v in truth[step].items()), step
     assert held == 4 and loader.last_report.parts_read == 1  # step 8 came from held step 7
+
+
+@pytest.mark.slow
+def test_a_large_blob_goes_up_as_concurrent_multipart_parts_and_stays_exclusive(s3_url):
+    url, options = s3_url
+    store = Store(url, options)
+    blob = bytes(range(256)) * (440 << 10)  # 110 MiB: s3fs switches to multipart at 100 MiB
+    store.write("big", blob, exclusive=True)
+    assert store.read("big") == blob
+    etag = fsspec.filesystem("s3", **options).info(f"{url}/big".removeprefix("s3://"))["ETag"]
+    assert etag.strip('"').endswith("-3")  # three 50 MiB parts: a multipart upload
+    with pytest.raises(FileExistsError):  # If-None-Match holds on the multipart completion too
+        store.write("big", blob, exclusive=True)
