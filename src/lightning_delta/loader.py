@@ -29,7 +29,7 @@ from .errors import (
     SnapshotNotFoundError,
 )
 from .follow import FollowedStep, follow
-from .replica import exchange
+from .replica import agree, exchange
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
@@ -112,9 +112,11 @@ class DeltaLoader:
         """(step, full tensors by name) of a complete step, `None` for the latest one, verified."""
         if step is None:
             steps = self.steps()
-            if not steps:
+            step = steps[-1] if steps else -1
+            if self.group is not None:  # every worker of the replica takes group rank 0's newest
+                step = agree(step, self.group)
+            if step < 0:
                 raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
-            step = steps[-1]
         world = self._complete.get(step) or self.store.complete_world_size(step)
         if world is None:
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
@@ -195,31 +197,25 @@ class DeltaLoader:
 
     def _fetch(self, step: int, world: int) -> list[list[bytes]]:
         """Per rank, the blobs that lead from what is held (or a base) to `step`, newest first."""
+        if self.group is None:
+            ours = range(world)
+        else:  # worker i of n fetches the parts of trainer ranks i, i + n, i + 2n, ...
+            ours = range(dist.get_rank(self.group), world, dist.get_world_size(self.group))
         bar = None
-        if self.progress and not any(w == world for _, w in self._states):
+        if self.progress and not any(w == world for _, w in self._states):  # from a base
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=world, desc=f"step {step}", unit="part", leave=False)
+            bar = tqdm(total=len(ours), desc=f"step {step}", unit="part", leave=False)
         try:
             if self.group is None:
-                return [self._walk(step, rank, world, bar) for rank in range(world)]
-            me, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+                return [self._walk(step, rank, world, bar) for rank in ours]
             try:
-                mine: list[bytes] | BaseException = []
-                ours = range(me, world, size)
                 walked = [self._walk(step, rank, world, bar) for rank in ours]
-                mine = [len(chain).to_bytes(8, "little") for chain in walked] + [b for c in walked for b in c]
+                mine: list[bytes] | BaseException = [len(c).to_bytes(8, "little") for c in walked]
+                mine += [blob for chain in walked for blob in chain]
             except Exception as err:  # shared with the group, so no worker waits in a broadcast
                 mine = err
-            received = exchange(mine, self.group)
-            chains: list[list[bytes]] = [[] for _ in range(world)]
-            for src, blobs in enumerate(received):
-                ranks = range(src, world, size)
-                lengths = [int.from_bytes(b, "little") for b in blobs[: len(ranks)]]
-                rest = iter(blobs[len(ranks) :])
-                for rank, length in zip(ranks, lengths, strict=True):
-                    chains[rank] = [next(rest) for _ in range(length)]
-            return chains
+            return _unpack_shares(exchange(mine, self.group), world)
         finally:
             if bar is not None:
                 bar.close()
@@ -353,6 +349,19 @@ def copy_into(
     if any(t.is_cuda for t in targets.values()):
         torch.cuda.synchronize()
     return time.perf_counter() - started
+
+
+def _unpack_shares(received: list[list[bytes]], world: int) -> list[list[bytes]]:
+    """Per trainer rank, its chain, from what each replica worker broadcast: the chain lengths of
+    its ranks (8-byte little-endian each), then their blobs back to back."""
+    chains: list[list[bytes]] = [[] for _ in range(world)]
+    for src, blobs in enumerate(received):
+        ranks = range(src, world, len(received))
+        lengths = [int.from_bytes(b, "little") for b in blobs[: len(ranks)]]
+        rest = iter(blobs[len(ranks) :])
+        for rank, length in zip(ranks, lengths, strict=True):
+            chains[rank] = [next(rest) for _ in range(length)]
+    return chains
 
 
 def _assemble(states: list[_RankState]) -> dict[str, Tensor]:
