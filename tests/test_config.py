@@ -63,6 +63,10 @@ def test_groups_compose_and_typos_fail():
         train = OmegaConf.to_object(cfg)
         assert isinstance(train, TrainConfig)
         assert (train.store.url, train.delta.base_every, train.delta.dtype) == ("s3://bucket/run1", 10, DType.bfloat16)
+        assert train.store.storage_options["config_kwargs"]["retries"] == {"max_attempts": 10, "mode": "standard"}
+        endpoint = "+store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:9000"
+        cfg = compose("train", overrides=["store=s3", endpoint])
+        assert cfg.store.storage_options.client_kwargs.endpoint_url == "http://127.0.0.1:9000"
         generate = compose("generate", overrides=["loader.device=cuda"])
         assert generate.loader.device == "cuda"
         with pytest.raises(Exception, match="base_evry"):
