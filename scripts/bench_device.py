@@ -1,0 +1,108 @@
+"""The device-side numbers in one prepared script, for a machine with a GPU (CPU works too).
+
+    python scripts/bench_device.py --device cuda                 # 1 GiB shard, 2% changed
+    python scripts/bench_device.py --device cpu --numel 16777216 # a quick check of the script
+
+Prints, each the best of `--repeats` with the device synchronized around it:
+  * codec: diff, pack, device-to-host copy and serialize of a delta of a bf16 shard, and its
+    decode, each as GB/s of the dense shard, next to a device memcpy of the same bytes;
+  * publisher: the time `DeltaPublisher.publish` holds the calling thread for a shard of that
+    size whose fp32 masters moved like an RL step (the trainer's cost per step), against a bare
+    cast + diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_delta import DeltaPublisher, codec
+
+
+def timed(device: torch.device, repeats: int, fn: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def rl_step(master: torch.Tensor, density: float) -> torch.Tensor:
+    """An update that changes about `density` of the bf16 casts, nearly all by one ULP: a bf16 ULP
+    is 2^-8..2^-7 of the value, so a relative move of ~density * 2^-7 crosses one that often."""
+    return torch.randn_like(master) * master.abs() * density * 2**-7
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--numel", type=int, default=1 << 29, help="shard elements (default: 1 GiB of bf16)")
+    parser.add_argument("--density", type=float, default=0.02)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device, n = torch.device(args.device), args.numel
+    gb = 2 * n / 1e9
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}: a {gb:.2f} GB bf16 shard, {args.density:.1%} of elements changed, torch {torch.__version__}")
+
+    master = torch.randn(n, device=device) * 0.02
+    old = master.to(torch.bfloat16)
+    master += rl_step(master, args.density)
+    new = master.to(torch.bfloat16)
+    change = codec.diff(old, new)
+    print(f"changed: {change.index.numel() / n:.2%}")
+
+    copy = torch.empty_like(new)
+    rows = {
+        "memcpy (device)": timed(device, args.repeats, lambda: copy.copy_(new)),
+        "diff": timed(device, args.repeats, lambda: codec.diff(old, new)),
+        "pack": timed(device, args.repeats, lambda: codec.pack_delta(change, new)),
+    }
+    packed = codec.pack_delta(change, new)
+    rows["device-to-host copy of the packed change"] = timed(device, args.repeats, packed.cpu)
+    host = packed.cpu()
+    rows["serialize (host, zstd-3)"] = timed(device, args.repeats, lambda: codec.serialize(host))
+    payload = codec.serialize(host)
+    rows["encode, all of the above"] = timed(device, args.repeats, lambda: codec.encode(old, new))
+    rows["decode (to the device)"] = timed(device, args.repeats, lambda: codec.decode(old, payload))
+    assert torch.equal(codec.decode(old, payload).view(torch.int16), new.view(torch.int16))
+    print(f"payload {len(payload):,} bytes ({len(payload) / (2 * n):.2%} of dense)\n")
+    print("| stage | ms | GB/s of the dense shard |\n|---|---:|---:|")
+    for stage, seconds in rows.items():
+        print(f"| {stage} | {seconds * 1e3:.1f} | {gb / seconds:.1f} |")
+
+    weights = {"shard": torch.nn.Parameter(master)}
+    bare = timed(device, args.repeats, lambda: codec.diff(old, weights["shard"].detach().to(torch.bfloat16)))
+    with tempfile.TemporaryDirectory() as tmp, DeltaPublisher(tmp, weights, base_every=1000) as publisher:
+        publisher.publish(1)  # the base
+        publisher.flush()
+        blocked = []
+        for step in range(2, 2 + args.repeats):
+            with torch.no_grad():
+                weights["shard"] += rl_step(weights["shard"], args.density)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            publisher.publish(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            blocked.append(time.perf_counter() - started)
+            publisher.flush()
+    held = min(blocked)
+    print(
+        f"\npublish blocks the calling thread {held * 1e3:.1f} ms; bare cast + diff {bare * 1e3:.1f} ms "
+        f"({held / bare:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
