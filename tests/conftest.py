@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,12 +20,6 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script` under torchrun on CPU/gloo; fail the test with the ranks' output on error."""
     cmd = [
@@ -34,8 +27,10 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> 
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        # c10d rendezvous on a port the store itself picks: no window in which another process
+        # can take a port chosen in advance
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
         str(script),
         *args,
     ]
