@@ -52,7 +52,7 @@ class DeltaConfig:
     """A full base every this many steps, deltas in between."""
     dtype: DType = DType.bfloat16
     compressor: Compressor = Compressor.ZSTD
-    level: int = 3
+    level: int = 1
     backlog: Backlog = Backlog.BLOCK
     max_pending: int = 2
     """Snapshots that may wait for upload before `backlog` applies."""

@@ -82,8 +82,9 @@ class UploadStats:
     upload_ms: float  # from the start of packing to the commit (pack, copy, compress, hash, write)
 
 
-_SMALL = 1 << 16
-"""Slices of at most this many elements share one payload: one diff and one codec call for all."""
+_SMALL = 1 << 18
+"""Slices of at most this many elements share one payload: one diff and one codec call for all.
+Each codec call has a fixed cost of ~1 ms on a CPU, as much as 256K elements' diff and pack."""
 
 
 @dataclass
@@ -307,7 +308,7 @@ class DeltaPublisher:
                 changed_total += values.numel()
             else:
                 change = codec.diff(group.bits, values)
-                whole = values if not shared else values.clone() if codec.may_pack_raw(change) else None
+                whole = (values.clone() if shared else values) if codec.may_pack_raw(change) else None
                 group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
                 piece = _Piece(change=change, whole=whole)
                 changed_total += change.index.numel()
