@@ -54,7 +54,11 @@ class DeltaWorkerExtension:
         storage_options: Mapping[str, Any] | None = None,
         rename: Callable[[str], str | None] | None = None,
     ) -> None:
-        """Start following the chain at `url`; tensors are staged on the worker's device."""
+        """Start following the chain at `url`; tensors are staged on the worker's device.
+
+        Arguments travel to the workers through `collective_rpc`, so `rename` must be picklable
+        (a module-level function, not a lambda).
+        """
         device = getattr(self, "device", torch.device("cpu"))
         self._delta_loader = DeltaLoader(url, storage_options=storage_options, device=device)
         self._delta_rename = rename
