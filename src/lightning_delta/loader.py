@@ -55,6 +55,9 @@ class _Payload:
     checksum: int
 
 
+_Part = tuple[fmt.PartHeader, memoryview]  # a part's validated header and its payload area
+
+
 @dataclass(frozen=True)
 class _RankState:
     header: fmt.PartHeader
@@ -195,8 +198,8 @@ class DeltaLoader:
 
     # ------------------------------------------------------------------ reconstruction
 
-    def _fetch(self, step: int, world: int) -> list[list[bytes]]:
-        """Per rank, the blobs that lead from what is held (or a base) to `step`, newest first."""
+    def _fetch(self, step: int, world: int) -> list[list[_Part]]:
+        """Per rank, the parts that lead from what is held (or a base) to `step`, newest first."""
         if self.group is None:
             ours = range(world)
         else:  # worker i of n fetches the parts of trainer ranks i, i + n, i + 2n, ...
@@ -208,21 +211,27 @@ class DeltaLoader:
             bar = tqdm(total=len(ours), desc=f"step {step}", unit="part", leave=False)
         try:
             if self.group is None:
-                return [self._walk(step, rank, world, bar) for rank in ours]
+                return [[(h, p) for _, h, p in self._walk(step, rank, world, bar)] for rank in ours]
             try:
-                walked = [self._walk(step, rank, world, bar) for rank in ours]
-                mine: list[bytes] | BaseException = [len(c).to_bytes(8, "little") for c in walked]
-                mine += [blob for chain in walked for blob in chain]
+                walked = {rank: self._walk(step, rank, world, bar) for rank in ours}
+                mine: list[bytes] | BaseException = [len(c).to_bytes(8, "little") for c in walked.values()]
+                mine += [blob for chain in walked.values() for blob, _, _ in chain]
             except Exception as err:  # shared with the group, so no worker waits in a broadcast
                 mine = err
-            return _unpack_shares(exchange(mine, self.group), world)
+            received = _unpack_shares(exchange(mine, self.group), world)
+            return [
+                [(h, p) for _, h, p in walked[rank]] if rank in walked else self._parse(step, rank, world, blobs)
+                for rank, blobs in enumerate(received)
+            ]
         finally:
             if bar is not None:
                 bar.close()
 
-    def _walk(self, step: int, rank: int, world: int, bar: Any = None) -> list[bytes]:
+    def _walk(
+        self, step: int, rank: int, world: int, bar: Any = None
+    ) -> list[tuple[bytes, fmt.PartHeader, memoryview]]:
         """Follow `prev_step` links back from `step` to a base or to the state already held."""
-        chain: list[bytes] = []
+        chain: list[tuple[bytes, fmt.PartHeader, memoryview]] = []
         at, wanted_id, last = step, None, None
         while True:
             held = self._states.get((rank, world))
@@ -237,8 +246,8 @@ class DeltaLoader:
                     f"step {last.step} rank {rank} is a delta against step {at}, "
                     "which is not in the store (deleted, or its upload never finished)"
                 ) from None
-            header, _ = self.store.parse_part(blob, at, rank, world)
-            chain.append(blob)
+            header, payload = self.store.parse_part(blob, at, rank, world)
+            chain.append((blob, header, payload))
             self._fetched.append(header)
             if header.kind == fmt.Kind.BASE:
                 if bar is not None:
@@ -246,20 +255,29 @@ class DeltaLoader:
                 return chain
             at, wanted_id, last = header.prev_step, header.prev_snapshot_id, header
 
-    def _decode(self, step: int, rank: int, world: int, chain: list[bytes]) -> _RankState:
-        """Check the links of `chain` (newest first), then apply it to the held state or from its
-        base, verifying every payload."""
-        parts: list[tuple[fmt.PartHeader, memoryview]] = []
-        at, wanted_id = step, None
-        for blob in chain:
+    def _parse(self, step: int, rank: int, world: int, blobs: list[bytes]) -> list[_Part]:
+        """Parts from blobs another replica worker fetched, each checked to be where the chain
+        says it is (newest first, from `step` along `prev_step`)."""
+        parts, at = [], step
+        for blob in blobs:
             header, payload = self.store.parse_part(blob, at, rank, world)
-            if wanted_id is not None and header.snapshot_id != wanted_id:
-                raise ChainError(
-                    f"step {parts[-1][0].step} rank {rank} expects predecessor {wanted_id}, "
-                    f"the store holds {header.snapshot_id} at step {at}"
-                )
             parts.append((header, payload))
             if header.kind == fmt.Kind.BASE:
+                break
+            at = header.prev_step
+        return parts
+
+    def _decode(self, step: int, rank: int, world: int, parts: list[_Part]) -> _RankState:
+        """Check the links of `parts` (newest first), then apply them to the held state or from
+        their base, verifying every payload."""
+        at, wanted_id = step, None
+        for i, (header, _) in enumerate(parts):
+            if wanted_id is not None and header.snapshot_id != wanted_id:
+                raise ChainError(
+                    f"step {parts[i - 1][0].step} rank {rank} expects predecessor {wanted_id}, "
+                    f"the store holds {header.snapshot_id} at step {at}"
+                )
+            if header.kind == fmt.Kind.BASE:  # always the last: the walk and the parse stop there
                 break
             at, wanted_id = header.prev_step, header.prev_snapshot_id
         state = None
