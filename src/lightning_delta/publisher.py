@@ -211,6 +211,7 @@ class DeltaPublisher:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.run_id = run_id or _shared_run_id(process_group)
         self._cache: list[_Group] | None = None
+        self._layout: tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]] = ((), ())  # of the cache
         self._host: _HostSide | None = None
         self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
         self._last_step: int | None = None
@@ -248,15 +249,18 @@ class DeltaPublisher:
             return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
         tensors = self._source()
-        if self._cache is None:
+        if self._cache is None:  # the first publish, or a rebase
             self._last_base = None
+            cache = _groups(plan(dict(tensors), self.rank, self.world_size), tensors)
+            self._layout = _layout(cache, _dtype_name(self.dtype))
+        else:
+            cache = self._cache
         is_base = self._last_base is None or step - self._last_base >= self.base_every
-        cache = self._cache or _groups(plan(dict(tensors), self.rank, self.world_size), tensors)
         if self._host is None:
             devices = [t.device for t in tensors.values()]
             self._host = _HostSide(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
         try:
-            entries, payloads, pieces, changed_total = self._snapshot(cache, tensors, is_base)
+            pieces, changed_total = self._snapshot(cache, tensors, is_base)
         except BaseException:
             self._cache = None  # some slices may hold a step that was never published: rebase
             raise
@@ -272,8 +276,8 @@ class DeltaPublisher:
             rank=self.rank,
             world_size=self.world_size,
             created=time.time(),
-            tensors=tuple(entries),
-            payloads=tuple(payloads),
+            tensors=self._layout[0],
+            payloads=self._layout[1],
             probe=probed,
         )
         diff_ms = (time.perf_counter() - started) * 1e3
@@ -281,7 +285,7 @@ class DeltaPublisher:
         self._last_step, self._prev_snapshot_id = step, snapshot_id
         if is_base:
             self._last_base = step
-        numel = sum(spec.numel for group in cache for spec in group.specs)
+        numel = sum(p.numel for p in self._layout[1])
         return PublishStats(step, True, kind, changed_total, numel, diff_ms)
 
     @property
@@ -289,9 +293,7 @@ class DeltaPublisher:
         """Snapshots queued for upload and not yet committed."""
         return self._jobs.unfinished_tasks
 
-    def _snapshot(
-        self, cache: list[_Group], tensors: Mapping[str, Tensor], is_base: bool
-    ) -> tuple[list[fmt.TensorEntry], list[fmt.PayloadEntry], list[_Piece], int]:
+    def _snapshot(self, cache: list[_Group], tensors: Mapping[str, Tensor], is_base: bool) -> tuple[list[_Piece], int]:
         """Diff every group against the cache on its device and bring the cache up to date.
 
         A delta writes only the changed elements into the cache; a base copies, checksums and
@@ -313,14 +315,7 @@ class DeltaPublisher:
                 piece = _Piece(change=change, whole=whole)
                 changed_total += change.index.numel()
             pieces.append(piece)
-        entries, payloads, name = [], [], _dtype_name(self.dtype)
-        for i, group in enumerate(cache):
-            at = 0
-            for spec in group.specs:
-                entries.append(fmt.TensorEntry(spec.name, name, spec.shape, spec.start, spec.numel, i, at))
-                at += spec.numel
-            payloads.append(fmt.PayloadEntry(0, 0, at, "", 0))  # the worker fills in the rest
-        return entries, payloads, pieces, changed_total
+        return pieces, changed_total
 
     def flush(self) -> None:
         """Wait until every queued snapshot is in the store; raise if an upload failed."""
@@ -425,6 +420,18 @@ class DeltaPublisher:
                 packed.append(self._host.copy(codec.pack_delta(change, piece.whole)))
             self._host.synchronize()
         return packed, checksums
+
+
+def _layout(cache: list[_Group], dtype: str) -> tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]]:
+    """The header's tensor entries and payload sizes for a cache: fixed until the next rebase."""
+    entries, payloads = [], []
+    for i, group in enumerate(cache):
+        at = 0
+        for spec in group.specs:
+            entries.append(fmt.TensorEntry(spec.name, dtype, spec.shape, spec.start, spec.numel, i, at))
+            at += spec.numel
+        payloads.append(fmt.PayloadEntry(0, 0, at, "", 0))  # the worker fills in the rest
+    return tuple(entries), tuple(payloads)
 
 
 def _groups(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[_Group]:
