@@ -134,6 +134,41 @@ def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
     assert_state(loader.state_dict(2)[1], truth[2])
 
 
+def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=10) as pub:
+        truth = train(pub, model, 4)
+    loader = DeltaLoader(store_url)
+    held = {}
+    for step in range(1, 5):
+        assert_state(loader.state_dict(step)[1], truth[step])
+        held[step] = [p.bits.data_ptr() for p in loader._states[(0, 1)].payloads]
+    assert held[3] == held[1] and held[4] == held[2]  # two sets of buffers, used in turn
+    assert not set(held[1]) & set(held[2])
+
+
+def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_step_intact(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=10) as pub:
+        truth = train(pub, model, 3)
+    loader = DeltaLoader(store_url)
+    loader.state_dict(1)
+    loader.state_dict(2)  # step 1's buffers are now the spare ones
+    store = Store(store_url)
+    # A payload that only its own checksum can catch: the blob's SHA-256 is made to match.
+    header, _ = fmt.decode_blob(store.read(fmt.blob_path(3, 0, 1)))
+    last = header.payloads[-1]
+    blob = bytearray(store.read(fmt.blob_path(3, 0, 1)))
+    blob[len(blob) - last.length // 2] ^= 0x01
+    store.write(fmt.blob_path(3, 0, 1), bytes(blob))
+    store.write(fmt.commit_path(3, 0, 1), fmt.encode_commit(bytes(blob)))
+    with pytest.raises((ChecksumError, FormatError)):
+        loader.state_dict(3)
+    assert_state(loader.state_dict(2)[1], truth[2])
+
+
 def test_apply_to_refuses_a_different_model(store_url):
     torch.manual_seed(0)
     model = TinyLM()

@@ -288,7 +288,8 @@ def decode_change(
     """Decode a payload against `old` (None for a RAW payload of `numel` elements).
 
     `out`, if given, receives the result (a reused buffer saves the page faults of a fresh one);
-    it must not be `old`, which stays untouched either way.
+    it must not be `old`, which stays untouched either way.  A payload of another dtype than
+    `old` or `out` is a `FormatError`.
     """
     if old is None:
         if numel is None:
@@ -298,8 +299,11 @@ def decode_change(
         numel = old.numel()
     packed = parse(payload, numel)
     device = old.device if old is not None else (out.device if out is not None else torch.device("cpu"))
-    if out is not None and (out.shape != (numel,) or out.dtype != packed.dtype or out.device != device):
-        raise ValueError(f"out must be a {packed.dtype} tensor of {numel} elements on {device}")
+    if out is not None and (out.shape != (numel,) or out.device != device or out is old):
+        raise ValueError(f"out must be a tensor of {numel} elements on {device}, other than `old`")
+    for expected in (old, out):
+        if expected is not None and expected.dtype != packed.dtype:
+            raise FormatError(f"tensor payload is {packed.dtype}, expected {expected.dtype}")
     if out is None:
         out = torch.empty(numel, dtype=packed.dtype, device=device)
     sections = [s.to(device) for s in packed.sections]
@@ -307,11 +311,9 @@ def decode_change(
         pairs = out.view(torch.uint8).view(-1, 2)
         pairs[:, 0].copy_(sections[0])
         pairs[:, 1].copy_(sections[1])
-        return Decoded(_match_dtype(out, old), None)
+        return Decoded(out, None)
     if old is None:
         raise FormatError("a SPARSE tensor payload needs the previous tensor to decode against")
-    if old.dtype != packed.dtype:
-        raise FormatError(f"tensor payload is {packed.dtype}, the previous tensor {old.dtype}")
     n, m, low_bits = packed.n, packed.m, packed.low_bits
     bits = old.view(torch.int16)
     if m == 0:
@@ -445,12 +447,6 @@ def _unpack_fixed(data: Tensor, count: int, width: int) -> Tensor:
     word = padded.view(torch.int64).view(-1, 1)
     shifts = torch.arange(8, dtype=torch.int64, device=data.device) * width
     return ((word >> shifts) & ((1 << width) - 1)).view(-1)[:count]
-
-
-def _match_dtype(new: Tensor, old: Tensor | None) -> Tensor:
-    if old is not None and old.dtype != new.dtype:
-        raise FormatError(f"tensor payload is {new.dtype}, the previous tensor {old.dtype}")
-    return new
 
 
 def _check_tensor(t: Tensor) -> None:

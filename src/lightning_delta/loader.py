@@ -75,6 +75,9 @@ class DeltaLoader:
             objects and broadcasts it to the others (see `lightning_delta.replica`); all of them
             must then call `state_dict`, `apply_to` and `follow` together, for the same steps.
         progress: show a progress bar while a step is fetched from a base (first load, re-sync).
+
+    It holds two copies of each rebuilt shard: the verified step, and the buffers of the step it
+    replaced, which the next one is decoded into.  Returned tensors are copies of neither.
     """
 
     def __init__(
@@ -91,6 +94,10 @@ class DeltaLoader:
         self.group = process_group
         self.progress = progress
         self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
+        # (rank, world) -> the buffers of the state last replaced, which nothing references any more
+        # (`_assemble` copies): the next step decodes into them, since on the CPU a fresh buffer's
+        # page faults cost as much as the decode itself.
+        self._spare: dict[tuple[int, int], list[Tensor]] = {}
         self._fetched: list[fmt.PartHeader] = []
         self._complete: dict[int, int] = {}  # step -> world size, for steps seen complete
         self.last_report: LoadReport | None = None
@@ -131,6 +138,9 @@ class DeltaLoader:
             raise ChainError(f"step {step}: rank parts belong to different snapshots {sorted(ids)}")
         tensors = _assemble(states)
         for rank, state in enumerate(states):
+            replaced = self._states.get((rank, world))
+            if replaced is not None:
+                self._spare[(rank, world)] = [p.bits for p in replaced.payloads]
             self._states[(rank, world)] = state
         self.last_report = LoadReport(
             step=step,
@@ -280,13 +290,18 @@ class DeltaLoader:
             if header.kind == fmt.Kind.BASE:  # always the last: the walk and the parse stop there
                 break
             at, wanted_id = header.prev_step, header.prev_snapshot_id
+        held = self._states.get((rank, world))
         state = None
         if not parts or parts[-1][0].kind == fmt.Kind.DELTA:
-            state = self._states.get((rank, world))
+            state = held
             if state is None or state.header.step != at or wanted_id not in (None, state.header.snapshot_id):
                 raise ChainError(f"step {step} rank {rank}: the chain does not reach a base or the step held")
+        spare = self._spare.pop((rank, world), [])  # lost if this step fails: never half-written state
         for i, (header, payload) in enumerate(reversed(parts)):
-            state = self._apply(state, header, payload, full_check=i == len(parts) - 1)
+            previous = state
+            state = self._apply(state, header, payload, full_check=i == len(parts) - 1, spare=spare)
+            # An intermediate step of a longer chain is free once the next is built from it.
+            spare = [p.bits for p in previous.payloads] if previous is not None and previous is not held else []
         assert state is not None
         return state
 
@@ -296,6 +311,7 @@ class DeltaLoader:
         header: fmt.PartHeader,
         payload: memoryview,
         full_check: bool,
+        spare: list[Tensor],
     ) -> _RankState:
         where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
         if header.kind == fmt.Kind.DELTA:
@@ -308,8 +324,11 @@ class DeltaLoader:
         for i, entry in enumerate(header.payloads):
             data = payload[entry.offset : entry.offset + entry.length]
             old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
+            out = spare[i] if i < len(spare) and spare[i].numel() == entry.numel else None
+            if out is not None and i in dtypes and out.dtype != fmt.DTYPE_NAMES[dtypes[i]]:
+                out = None
             try:
-                decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel)
+                decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel, out=out)
             except FormatError as err:
                 raise FormatError(f"{where}: payload {i}: {err}") from None
             new = decoded.new.to(self.device)
