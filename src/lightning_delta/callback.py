@@ -42,7 +42,8 @@ class DeltaCallback(Callback):
         probe: called with the LightningModule after each optimizer step, on every rank (so it
             may run a sharded forward); its tensor, the log-probs of a fixed probe batch, is
             published with the step for rollout workers to compare against (see
-            `DeltaPublisher.publish`).
+            `DeltaPublisher.publish`).  It runs even on steps that `Backlog.COALESCE` then
+            skips: ranks skip on their own, and a sharded forward needs all of them.
     """
 
     def __init__(
