@@ -46,6 +46,14 @@ def train(publisher: DeltaPublisher | None, model: TinyLM, steps: int, lr: float
     return truth
 
 
+def published_run(store_url: str, steps: int, base_every: int = 25) -> dict[int, dict[str, torch.Tensor]]:
+    """A seeded TinyLM trained for `steps` steps, each one published; its true bf16 state per step."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=base_every) as pub:
+        return train(pub, model, steps)
+
+
 def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
     assert state.keys() == truth.keys()
     for name in truth:
@@ -53,10 +61,7 @@ def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor])
 
 
 def test_every_step_rebuilds_bit_exactly_and_bases_follow_the_schedule(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=4) as pub:
-        truth = train(pub, model, 10)
+    truth = published_run(store_url, 10, base_every=4)
     loader = DeltaLoader(store_url)
     assert loader.steps() == list(range(1, 11))
     for step in [3, 10, 1, 7, 8, 9]:  # out of order: the loader restarts from a base when needed
@@ -105,20 +110,14 @@ def test_deltas_are_small_at_rl_learning_rates(store_url):
 
 
 def test_apply_to_copies_into_a_fresh_model(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=3) as pub:
-        train(pub, model, 5)
+    truth = published_run(store_url, 5, base_every=3)
     replica = TinyLM()
     assert DeltaLoader(store_url).apply_to(replica) == 5
-    assert_state(bf16_state(replica), bf16_state(model))
+    assert_state(bf16_state(replica), truth[5])
 
 
 def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=10) as pub:
-        truth = train(pub, model, 4)
+    truth = published_run(store_url, 4, base_every=10)
     loader, replica = DeltaLoader(store_url), TinyLM()
     loader.apply_to(replica, step=2)
     before = bf16_state(replica)
@@ -135,10 +134,7 @@ def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
 
 
 def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=10) as pub:
-        truth = train(pub, model, 4)
+    truth = published_run(store_url, 4, base_every=10)
     loader = DeltaLoader(store_url)
     held = {}
     for step in range(1, 5):
@@ -149,10 +145,7 @@ def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(s
 
 
 def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_step_intact(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=10) as pub:
-        truth = train(pub, model, 3)
+    truth = published_run(store_url, 3, base_every=10)
     loader = DeltaLoader(store_url)
     loader.state_dict(1)
     loader.state_dict(2)  # step 1's buffers are now the spare ones
@@ -170,10 +163,7 @@ def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_
 
 
 def test_apply_to_refuses_a_different_model(store_url):
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model) as pub:
-        train(pub, model, 1)
+    published_run(store_url, 1)
     with pytest.raises(ModelMismatchError, match="wrong shape"):
         DeltaLoader(store_url).apply_to(TinyLM(dim=16))
     with pytest.raises(ModelMismatchError, match="missing"):
@@ -183,10 +173,7 @@ def test_apply_to_refuses_a_different_model(store_url):
 def test_unknown_steps(store_url):
     with pytest.raises(SnapshotNotFoundError, match="no complete step"):
         DeltaLoader(store_url).state_dict()
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model) as pub:
-        train(pub, model, 2)
+    published_run(store_url, 2)
     with pytest.raises(SnapshotNotFoundError, match="step 7"):
         DeltaLoader(store_url).state_dict(7)
 
