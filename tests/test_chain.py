@@ -134,7 +134,7 @@ def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
 
 
 def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(store_url):
-    truth = published_run(store_url, 4, base_every=10)
+    truth = published_run(store_url, 7, base_every=10)
     loader = DeltaLoader(store_url)
     held = {}
     for step in range(1, 5):
@@ -142,6 +142,9 @@ def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(s
         held[step] = [p.bits.data_ptr() for p in loader._states[(0, 1)].payloads]
     assert held[3] == held[1] and held[4] == held[2]  # two sets of buffers, used in turn
     assert not set(held[1]) & set(held[2])
+    # a jump decodes 5 and 6 on the way: each intermediate step's buffers take the one after next
+    assert_state(loader.state_dict(7)[1], truth[7])
+    assert_state(loader.state_dict(4)[1], truth[4])  # from the base again
 
 
 def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_step_intact(store_url):
