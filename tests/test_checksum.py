@@ -60,13 +60,16 @@ def test_position_and_value_sensitivity():
     assert checksum(a) != checksum(int16([1, 2, 3]))  # truncated
 
 
-def test_chunked_sum_matches_single_chunk(monkeypatch):
+def test_chunked_sums_match_the_reference(monkeypatch):
     import lightning_delta.checksum as mod
 
+    monkeypatch.setattr(mod, "_CHUNK", 1000)  # ten full chunks and a short one
     bits = torch.randint(-32768, 32767, (10_007,), dtype=torch.int16)
-    whole = checksum(bits)
-    monkeypatch.setattr(mod, "_CHUNK", 1000)
-    assert checksum(bits) == whole
+    assert checksum(bits) == reference([b & 0xFFFF for b in bits.tolist()])
+    index = torch.arange(3, 10_007, 3)  # 3335 changes: an update spans chunks too
+    new = bits.clone()
+    new[index] += 1
+    assert checksum_update(checksum(bits), index, bits[index], new[index]) == checksum(new)
 
 
 def test_hex_spelling_round_trips():
