@@ -20,17 +20,19 @@ _MASK64 = (1 << 64) - 1
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
 _K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _CHUNK = 1 << 18
-"""Elements hashed at a time.  The three int64 work buffers (2 MiB each) are allocated once and
-stay in cache; fresh 32 MiB temporaries per chunk cost ten times as much, in page faults."""
+"""Elements hashed at a time on the CPU: the three int64 work buffers (2 MiB each) are allocated
+once and stay in cache; fresh 32 MiB temporaries per chunk cost ten times as much, in page faults."""
+_CUDA_CHUNK = 1 << 22  # no page faults there, but each chunk is ten kernel launches
 
 
 def _mix_sum(bits: Tensor, index: Tensor | None = None) -> int:
     """sum(mix(i * 2**16 + u)) mod 2**64 over 16-bit `bits` at positions `index` (default 0, 1, ...)."""
     n, device = bits.numel(), bits.device
-    x, shifted, keys = (torch.empty(min(n, _CHUNK), dtype=torch.int64, device=device) for _ in range(3))
+    chunk = _CUDA_CHUNK if device.type == "cuda" else _CHUNK
+    x, shifted, keys = (torch.empty(min(n, chunk), dtype=torch.int64, device=device) for _ in range(3))
     total = torch.zeros((), dtype=torch.int64, device=device)  # wraps mod 2**64, like the definition
-    for start in range(0, n, _CHUNK):
-        part = bits[start : start + _CHUNK].view(torch.int16)
+    for start in range(0, n, chunk):
+        part = bits[start : start + chunk].view(torch.int16)
         k = part.numel()
         xs, ts, ks = x[:k], shifted[:k], keys[:k]
         if index is None:
