@@ -57,6 +57,21 @@ def test_decode_of_encode_is_bit_identical(pair, options):
     assert bitwise_equal(codec.decode(old, payload), new)
     base = codec.encode(None, new, options)
     assert bitwise_equal(codec.decode(None, base, numel=new.numel()), new)
+    reused = torch.full_like(new, 3.0)  # a previous step's buffer: every element is overwritten
+    assert bitwise_equal(codec.decode(old, payload, out=reused), new)
+    assert bitwise_equal(codec.decode(None, base, numel=new.numel(), out=reused.fill_(3.0)), new)
+
+
+def test_decode_into_out_refuses_old_itself_and_another_dtype():
+    old = torch.randn(1000).to(torch.bfloat16)
+    new = (old.view(torch.int16) + 1).view(torch.bfloat16)
+    payload = codec.encode(old, new)
+    with pytest.raises(ValueError, match="other than"):
+        codec.decode(old, payload, out=old)
+    with pytest.raises(ValueError, match="1000 elements"):
+        codec.decode(old, payload, out=torch.empty(999, dtype=torch.bfloat16))
+    with pytest.raises(FormatError, match=r"expected torch\.float16"):
+        codec.decode(None, codec.encode(None, new), numel=1000, out=torch.empty(1000, dtype=torch.float16))
 
 
 @settings(max_examples=100, deadline=None)
