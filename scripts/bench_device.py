@@ -8,7 +8,9 @@ Prints, each the best of `--repeats` with the device synchronized around it:
     decode, each as GB/s of the dense shard, next to a device memcpy of the same bytes;
   * publisher: the time `DeltaPublisher.publish` holds the calling thread for a shard of that
     size whose fp32 masters moved like an RL step (the trainer's cost per step), against a bare
-    cast + diff.
+    cast + diff;
+  * loader: a follower's step of that shard from a local store (read, decode, verify every
+    checksum, assemble the full tensor), and the first load from the base.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_delta import DeltaPublisher, codec
+from lightning_delta import DeltaLoader, DeltaPublisher, codec
+from lightning_delta.checksum import checksum
 
 
 def timed(device: torch.device, repeats: int, fn: Callable[[], object]) -> float:
@@ -74,6 +77,7 @@ def main() -> None:
     payload = codec.serialize(host)
     rows["encode, all of the above"] = timed(device, args.repeats, lambda: codec.encode(old, new))
     rows["decode (to the device)"] = timed(device, args.repeats, lambda: codec.decode(old, payload))
+    rows["checksum, full rehash"] = timed(device, args.repeats, lambda: checksum(new.view(torch.int16)))
     assert torch.equal(codec.decode(old, payload).view(torch.int16), new.view(torch.int16))
     print(f"payload {len(payload):,} bytes ({len(payload) / (2 * n):.2%} of dense)\n")
     print("| stage | ms | GB/s of the dense shard |\n|---|---:|---:|")
@@ -82,26 +86,34 @@ def main() -> None:
 
     weights = {"shard": torch.nn.Parameter(master)}
     bare = timed(device, args.repeats, lambda: codec.diff(old, weights["shard"].detach().to(torch.bfloat16)))
-    with tempfile.TemporaryDirectory() as tmp, DeltaPublisher(tmp, weights, base_every=1000) as publisher:
-        publisher.publish(1)  # the base
-        publisher.flush()
-        blocked = []
-        for step in range(2, 2 + args.repeats):
-            with torch.no_grad():
-                weights["shard"] += rl_step(weights["shard"], args.density)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            publisher.publish(step)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            blocked.append(time.perf_counter() - started)
+    with tempfile.TemporaryDirectory() as tmp:
+        with DeltaPublisher(tmp, weights, base_every=1000) as publisher:
+            publisher.publish(1)  # the base
             publisher.flush()
-    held = min(blocked)
-    print(
-        f"\npublish blocks the calling thread {held * 1e3:.1f} ms; bare cast + diff {bare * 1e3:.1f} ms "
-        f"({held / bare:.2f}x)"
-    )
+            blocked = []
+            for step in range(2, 2 + args.repeats):
+                with torch.no_grad():
+                    weights["shard"] += rl_step(weights["shard"], args.density)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                publisher.publish(step)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                blocked.append(time.perf_counter() - started)
+                publisher.flush()
+        held = min(blocked)
+        print(
+            f"\npublish blocks the calling thread {held * 1e3:.1f} ms; bare cast + diff {bare * 1e3:.1f} ms "
+            f"({held / bare:.2f}x)"
+        )
+        loader = DeltaLoader(tmp, device=device)
+        loaded = [timed(device, 1, lambda: loader.state_dict(1))]
+        loaded += [timed(device, 1, lambda s=step: loader.state_dict(s)) for step in range(2, 2 + args.repeats)]
+        print(
+            f"a follower's step (read, decode, verify, assemble) {min(loaded[1:]) * 1e3:.1f} ms "
+            f"({gb / min(loaded[1:]):.1f} GB/s of the shard); the first load, from the base, {loaded[0] * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":
