@@ -325,8 +325,8 @@ class DeltaLoader:
             data = payload[entry.offset : entry.offset + entry.length]
             old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
             out = spare[i] if i < len(spare) and spare[i].numel() == entry.numel else None
-            if out is not None and i in dtypes and out.dtype != fmt.DTYPE_NAMES[dtypes[i]]:
-                out = None
+            if out is not None and (i not in dtypes or out.dtype != fmt.DTYPE_NAMES[dtypes[i]]):
+                out = None  # a spare of another dtype would make a valid payload look foreign
             try:
                 decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel, out=out)
             except FormatError as err:
