@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_delta.shards import named_tensors
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.py) is shared with the tests
 
@@ -18,6 +20,11 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.p
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
     """Same shape and the same bit patterns: `allclose` would let a lossy codec pass."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def bf16_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """A bf16 copy of every tensor the publisher ships: what a loader must rebuild exactly."""
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(module).items()}
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:

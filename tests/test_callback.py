@@ -12,9 +12,8 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import bitwise_equal
+from conftest import bf16_state, bitwise_equal
 from lightning_delta import DeltaCallback, DeltaLoader, PublishError, Store, UnsupportedStrategyError
-from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
 
@@ -38,8 +37,7 @@ class ManualLM(pl.LightningModule):
             opt.step()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()}
-        self.truth[self.trainer.global_step] = state
+        self.truth[self.trainer.global_step] = bf16_state(self.model)
 
     def configure_optimizers(self):
         params = list(self.model.parameters())
@@ -134,8 +132,7 @@ class AutoLM(pl.LightningModule):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()}
-        self.truth[self.trainer.global_step] = state
+        self.truth[self.trainer.global_step] = bf16_state(self.model)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)

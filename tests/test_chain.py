@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import bitwise_equal
+from conftest import bf16_state, bitwise_equal
 from lightning_delta import (
     Backlog,
     ChecksumError,
@@ -21,12 +21,7 @@ from lightning_delta import (
     Store,
 )
 from lightning_delta import format as fmt
-from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
-
-
-def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(model).items()}
 
 
 def train(publisher: DeltaPublisher | None, model: TinyLM, steps: int, lr: float = 1e-4, seed: int = 0):

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from conftest import bitwise_equal
+from conftest import bf16_state, bitwise_equal
 from lightning_delta import DeltaLoader, DeltaPublisher, ModelMismatchError
 from lightning_delta.shards import named_tensors
 from lightning_delta.vllm_worker import DeltaWorkerExtension, weights_for_load
@@ -48,7 +48,7 @@ def train_and_publish(url: str, steps: int = 6) -> dict[int, dict[str, torch.Ten
             trainer.policy(tokens, labels=tokens).loss.backward()
             opt.step()
             opt.zero_grad()
-            truth[step] = {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(trainer).items()}
+            truth[step] = bf16_state(trainer)
             shadow.load_state_dict({k.removeprefix("policy."): v for k, v in truth[step].items()})
             publisher.publish(step, probe=probe_logprobs(shadow, PROBE))
     return truth

@@ -11,10 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from conftest import bitwise_equal
+from conftest import bf16_state, bitwise_equal
 from lightning_delta import DeltaLoader, DeltaPublisher, Store
 from lightning_delta import format as fmt
-from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
 
@@ -33,9 +32,7 @@ class Trainer:
             self.model(torch.randint(0, 97, (2, 9))).square().mean().backward()
             self.opt.step()
             self.opt.zero_grad()
-            self.truth[self.step] = {
-                k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(self.model).items()
-            }
+            self.truth[self.step] = bf16_state(self.model)
             self.publisher.publish(self.step)
             self.publisher.flush()
             time.sleep(pause)

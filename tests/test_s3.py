@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import ROOT, bitwise_equal
+from conftest import ROOT, bf16_state, bitwise_equal
 from lightning_delta import (
     ChainError,
     ChecksumError,
@@ -27,12 +27,7 @@ from lightning_delta import (
     Store,
 )
 from lightning_delta import format as fmt
-from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
-
-
-def bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(model).items()}
 
 
 def train(publisher: DeltaPublisher, model: TinyLM, steps: range, pause: float = 0.0, on_step=None) -> dict:
@@ -42,7 +37,7 @@ def train(publisher: DeltaPublisher, model: TinyLM, steps: range, pause: float =
         model(torch.randint(0, 97, (2, 9))).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        truth[step] = bf16(model)
+        truth[step] = bf16_state(model)
         publisher.publish(step)
         if on_step:
             on_step(step)
