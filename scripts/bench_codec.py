@@ -223,6 +223,11 @@ def run(label: str, pairs: list[Pair], repeats: int, bound_pairs: list[Pair] | N
             f"| {method.name} | {size:,} | {100 * size / dense:.2f} | {size / bound:.2f} | "
             f"{dense / enc_s / 1e6:,.0f} | {dense / dec_s / 1e6:,.0f} | {memcpy:,.0f} |"
         )
+    diff_s, _ = best_of(repeats, lambda: [codec.diff(o, n) for o, n in pairs])
+    print(
+        f"\n`codec.diff` alone (the positions and old and new values of the changes, the first stage "
+        f"of every sparse method): {dense / diff_s / 1e6:,.0f} MB/s, {100 * copy_s / diff_s:.1f}% of memcpy"
+    )
 
 
 def main() -> None:
