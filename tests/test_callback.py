@@ -166,13 +166,13 @@ def test_a_resumed_run_continues_one_consistent_chain(tmp_path, stopped_at):
     for step in loader.steps():
         state = loader.state_dict(step)[1]
         assert all(bitwise_equal(state[n], t) for n, t in truth[step].items()), step
-    assert Store(store).is_base_step(stopped_at + 1)  # the cache is not in the checkpoint: a new base
+    assert Store(store).is_base_step(stopped_at + 1, 1)  # the cache is not in the checkpoint: a new base
 
 
 def test_a_fresh_run_on_a_used_store_is_refused_before_training(tmp_path):
     store = str(tmp_path / "store")
     trainer(DeltaCallback(store, submodule="model"), max_steps=2).fit(AutoLM(), data(4))
     module = AutoLM()
-    with pytest.raises(PublishError, match="already holds steps up to 2"):
+    with pytest.raises(PublishError, match="belongs to run"):
         trainer(DeltaCallback(store, submodule="model"), max_steps=2).fit(module, data(4))
     assert module.truth == {}  # not a single step trained

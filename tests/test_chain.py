@@ -276,7 +276,7 @@ def test_a_step_with_a_foreign_object_is_refused(store_url):
     foreign = b"PK\x03\x04" + bytes(range(60))  # a zip file, say
     store.write(fmt.blob_path(1, 0, 1), foreign)
     store.write(fmt.commit_path(1, 0, 1), fmt.encode_commit(foreign))
-    with pytest.raises(FormatError, match="not a lightning_delta part"):
+    with pytest.raises(FormatError, match="not a lightning_delta/3 part"):
         DeltaLoader(store_url).state_dict(1)
 
 

@@ -121,11 +121,11 @@ def test_a_poll_lists_one_block_however_long_the_run(store_url):
     assert loader.steps() == list(range(995, 1005))  # a full listing: steps/, both blocks, new steps
     CountingStore.listed = []
     assert loader.steps(after=1000) == [1001, 1002, 1003, 1004]
-    assert CountingStore.listed == [fmt.block_dir(1)]  # the `latest` pointer names the block
+    assert CountingStore.listed == ["steps", fmt.block_dir(1)]  # the blocks, then only the newest one
     trainer.steps(1)
     CountingStore.listed = []
     assert loader.steps(after=1004) == [1005]
-    assert CountingStore.listed == [fmt.block_dir(1), fmt.step_dir(1005)]  # and the one new step
+    assert CountingStore.listed == ["steps", fmt.block_dir(1), fmt.step_dir(1005)]  # and the one new step
     trainer.publisher.close()
 
 

@@ -43,10 +43,10 @@ class TestStoreConformance:
     def test_a_step_is_visible_only_when_every_rank_committed(self, store):
         store.write(fmt.blob_path(3, 1, 2), fmt.encode_blob(_header(1, 2), []))  # crashed before its marker
         store.commit_part(3, 0, 2, fmt.encode_blob(_header(0, 2), []))
-        assert store.committed_ranks(3) == {2: {0}} and store.complete_world_size(3) is None
+        assert store.committed_ranks(3) == {2: {0}} and not store.is_complete(3, 2)
         for rank in (0, 1):
             store.commit_part(4, rank, 2, fmt.encode_blob(_header(rank, 2, step=4), []))
-        assert store.complete_world_size(4) == 2
+        assert store.is_complete(4, 2) and not store.is_complete(4, 1)
 
     def test_a_committed_part_is_never_overwritten(self, store):
         blob = fmt.encode_blob(_header(0, 1), [])
@@ -82,17 +82,40 @@ class TestStoreConformance:
 
 
 def _header(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
-    return fmt.PartHeader(f"r-{step:012d}", None, step, None, fmt.Kind.BASE, rank, world, 0.0)
+    return fmt.PartHeader("r", step, None, fmt.Kind.BASE, rank, world, 0.0)
 
 
-def test_a_second_publisher_on_the_same_steps_is_refused(tmp_path):
+def test_a_second_run_on_a_used_prefix_is_refused_before_it_publishes(tmp_path):
     url = str(tmp_path / "store")
     with DeltaPublisher(url, TinyLM()) as first:
         first.publish(1)
-    second = DeltaPublisher(url, TinyLM())
-    second.publish(1)
-    with pytest.raises(PublishError, match="already"):
-        second.close()
+    with pytest.raises(PublishError, match=f"belongs to run {first.run_id}.*run_id='{first.run_id}'"):
+        DeltaPublisher(url, TinyLM())
+    assert DeltaLoader(url).steps() == [1]
+
+
+def test_a_resumed_publisher_continues_its_run_from_a_base(tmp_path):
+    url = str(tmp_path / "store")
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(url, model) as first:
+        first.publish(1)
+        first.publish(2)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    with DeltaPublisher(url, model, run_id=first.run_id) as resumed:
+        resumed.publish(3)
+    assert Store(url).read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
+    step, state = DeltaLoader(url).state_dict()
+    assert step == 3 and bitwise_equal(state["head.weight"], model.head.weight.detach().to(torch.bfloat16))
+
+
+
+def test_a_resumed_publisher_must_have_the_runs_world_size(tmp_path):
+    url = str(tmp_path / "store")
+    Store(url).claim("two-ranks", 2)
+    with pytest.raises(PublishError, match="has 2 ranks, this publisher 1"):
+        DeltaPublisher(url, TinyLM(), run_id="two-ranks")
 
 
 @pytest.mark.slow
@@ -137,4 +160,4 @@ def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tm
     store = Store(str(tmp_path / "store"))
     with fsspec.filesystem("file").transaction:
         store.commit_part(3, 0, 1, fmt.encode_blob(_header(0, 1), []))
-        assert store.complete_world_size(3) == 1
+        assert store.is_complete(3, 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,10 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from .codec import CodecOptions
-from .errors import PublishError, UnsupportedStrategyError
+from .errors import UnsupportedStrategyError
 from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
 from .shards import named_tensors
-from .store import Store
 
 __all__ = ["DeltaCallback"]
 
@@ -89,21 +87,42 @@ class DeltaCallback(Callback):
             )
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        """The run id goes into Lightning's checkpoints, so a resumed fit continues the same run."""
+        return {"run_id": self._run_id}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._run_id = state_dict.get("run_id")
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After a checkpoint is restored, so `global_step` tells a fresh run from a resumed one."""
+        """After a checkpoint is restored, so a resumed fit continues its run and a fresh one
+        claims the prefix (a prefix another run owns is refused here, before the first step)."""
         if trainer.fast_dev_run:  # publishes nothing
             return
+        module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
+        self.publisher = DeltaPublisher(
+            self.store,
+            lambda: named_tensors(module),
+            base_every=self.base_every,
+            dtype=self.dtype,
+            storage_options=self.storage_options,
+            codec_options=self.codec,
+            max_pending=self.max_pending,
+            backlog=self.backlog,
+            run_id=self._run_id if trainer.global_step > 0 else None,
+            keep_bases=self.keep_bases,
+        )
+        self._run_id = self.publisher.run_id
+        rank_zero_info(f"DeltaCallback: publishing run {self._run_id} to {self.store} (base every {self.base_every})")
         last = 0
         if trainer.is_global_zero:
-            steps = Store(self.store, self.storage_options).published_steps()
+            steps = self.publisher.store.published_steps()
             last = steps[-1] if steps else 0
-        # The only collective: one run id for all ranks, and where the store already ends.
-        self._run_id, last = trainer.strategy.broadcast((uuid.uuid4().hex, last))
-        if last and trainer.global_step == 0:
-            raise PublishError(f"{self.store} already holds steps up to {last}; give each run a prefix of its own")
         # Resuming: steps up to `last` may come from after the checkpoint (a crash); the new
         # trajectory publishes only past them, starting with a base, so loaders see one chain.
-        self._last_step = max(last, trainer.global_step)
+        self._last_step = max(trainer.strategy.broadcast(last), trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -117,23 +136,8 @@ class DeltaCallback(Callback):
         if trainer.sanity_checking or trainer.fast_dev_run:
             return
         step = trainer.global_step
-        if step <= self._last_step:  # no optimizer step yet (accumulation), or already in the store
+        if self.publisher is None or step <= self._last_step:  # accumulation, or already in the store
             return
-        if self.publisher is None:
-            module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
-            self.publisher = DeltaPublisher(
-                self.store,
-                lambda: named_tensors(module),
-                base_every=self.base_every,
-                dtype=self.dtype,
-                storage_options=self.storage_options,
-                codec_options=self.codec,
-                max_pending=self.max_pending,
-                backlog=self.backlog,
-                run_id=self._run_id,
-                keep_bases=self.keep_bases,
-            )
-            rank_zero_info(f"DeltaCallback: publishing to {self.store} (base every {self.base_every} steps)")
         probe = None
         if self.probe is not None:
             with torch.no_grad():

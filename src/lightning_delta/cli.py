@@ -18,17 +18,27 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import DeltaError
+from .errors import DeltaError, SnapshotNotFoundError
+from .format import RUN_MANIFEST, RunManifest
 from .loader import DeltaLoader
 from .store import Store
 
 __all__ = ["main"]
 
 
-def step_summary(store: Store, step: int) -> dict[str, Any]:
+def open_run(url: str) -> tuple[Store, RunManifest]:
+    """The store at `url` and its run manifest; a prefix that holds no run is an error, so a
+    typo in a URL never reads as an empty, healthy chain."""
+    store = Store(url)
+    manifest = store.manifest()
+    if manifest is None:
+        raise SnapshotNotFoundError(f"no lightning_delta run at {store.url} (no {RUN_MANIFEST})")
+    return store, manifest
+
+
+def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
     """One row of `inspect`: what the step's committed parts hold, from their headers alone."""
-    world = store.complete_world_size(step)
-    if world is None:
+    if not store.is_complete(step, world):
         committed = {w: len(r) for w, r in store.committed_ranks(step).items()}
         return {"step": step, "complete": False, "committed_ranks": committed}
     headers, size = [], 0
@@ -53,8 +63,8 @@ def step_summary(store: Store, step: int) -> dict[str, Any]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    store = Store(args.store)
-    rows = [step_summary(store, s) for s in store.published_steps()]
+    store, manifest = open_run(args.store)
+    rows = [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
     if args.json:
         return _emit(rows)
     print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
@@ -71,8 +81,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    loader = DeltaLoader(args.store)
-    store = loader.store
+    store, _ = open_run(args.store)
+    loader = DeltaLoader(store)
     complete = loader.steps()
     steps = [args.step] if args.step is not None else complete
     problems = []
@@ -97,7 +107,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _materialize(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    loader = DeltaLoader(args.store)
+    loader = DeltaLoader(open_run(args.store)[0])
     step, tensors = loader.state_dict(args.step)
     save_file(tensors, args.out, metadata={"step": str(step), "source": loader.store.url})
     report = {"step": step, "tensors": len(tensors), "out": args.out}
@@ -108,8 +118,9 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    store = Store(args.store)
-    rows = [r for r in (step_summary(store, s) for s in store.published_steps()) if r["complete"]]
+    store, manifest = open_run(args.store)
+    rows = [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
+    rows = [r for r in rows if r["complete"]]
     if not rows:
         raise DeltaError(f"no complete step in {store.url}")
     window = rows[-args.window :] if args.window else rows
@@ -143,7 +154,8 @@ def _cost(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    deleted = Store(args.store).collect(args.keep_bases)
+    store, _ = open_run(args.store)
+    deleted = store.collect(args.keep_bases)
     if args.json:
         return _emit({"deleted_steps": deleted})
     print(f"deleted {len(deleted)} steps" + (f" ({deleted[0]}..{deleted[-1]})" if deleted else ""))

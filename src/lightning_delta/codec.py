@@ -34,6 +34,7 @@ import zstandard
 from torch import Tensor
 
 from .errors import FormatError
+from .format import MAX_ELEMENTS
 
 __all__ = [
     "Change",
@@ -247,6 +248,8 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
 def parse(payload: bytes | memoryview, numel: int) -> Packed:
     """Validate a payload against the element count the caller expects and decompress it."""
     view = memoryview(payload)
+    if not 0 <= numel <= MAX_ELEMENTS:
+        raise FormatError(f"a tensor payload holds at most {MAX_ELEMENTS} elements, {numel} expected")
     if len(view) < _HEADER.size:
         raise FormatError(f"tensor payload truncated: {len(view)} bytes, header needs {_HEADER.size}")
     magic, mode, coding, low_bits, dtype_code = _HEADER.unpack_from(view)
@@ -305,7 +308,10 @@ def decode_change(
         if expected is not None and expected.dtype != packed.dtype:
             raise FormatError(f"tensor payload is {packed.dtype}, expected {expected.dtype}")
     if out is None:
-        out = torch.empty(numel, dtype=packed.dtype, device=device)
+        try:
+            out = torch.empty(numel, dtype=packed.dtype, device=device)
+        except (RuntimeError, MemoryError):  # a size the header allows but this machine cannot hold
+            raise FormatError(f"cannot allocate {numel} elements of {packed.dtype} on {device}") from None
     sections = [s.to(device) for s in packed.sections]
     if packed.mode == Mode.RAW:
         pairs = out.view(torch.uint8).view(-1, 2)
@@ -501,17 +507,28 @@ def _zstd_compress(data: memoryview, level: int) -> bytes:
 
 
 def _zstd_decompress(data: memoryview, size: int) -> bytes:
+    # The frame's own content size (if it carries one) must not size the output: a flipped bit
+    # there would make the decoder allocate and fill gigabytes before the length check.
+    declared = zstandard.get_frame_parameters(data, format=_ZSTD_FORMAT).content_size
+    if declared not in (zstandard.CONTENTSIZE_UNKNOWN, size):
+        raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
     if "zstd_d" not in _local.__dict__:
         _local.zstd_d = zstandard.ZstdDecompressor(format=_ZSTD_FORMAT)
     return _local.zstd_d.decompress(data, max_output_size=size)
 
 
+_LZ4_MAX = 0x7E000000  # LZ4_MAX_INPUT_SIZE: the block format holds no more
+
+
+def _lz4_decompress(data: memoryview, size: int) -> bytes:
+    if size > _LZ4_MAX:
+        raise FormatError(f"an lz4 block holds at most {_LZ4_MAX} bytes, this section {size}")
+    return lz4.block.decompress(data, uncompressed_size=size)
+
+
 _BACKENDS = {
     Compressor.ZSTD: _Backend(_zstd_compress, _zstd_decompress),
-    Compressor.LZ4: _Backend(
-        lambda data, level: lz4.block.compress(data, store_size=False),
-        lambda data, size: lz4.block.decompress(data, uncompressed_size=size),
-    ),
+    Compressor.LZ4: _Backend(lambda data, level: lz4.block.compress(data, store_size=False), _lz4_decompress),
 }
 
 
@@ -525,7 +542,7 @@ def _decompress(code: int, data: memoryview, size: int) -> bytes | memoryview:
     else:
         try:
             out = _BACKENDS[compressor].decompress(data, size)
-        except (zstandard.ZstdError, lz4.block.LZ4BlockError) as err:
+        except (zstandard.ZstdError, lz4.block.LZ4BlockError, ValueError) as err:
             raise FormatError(f"{compressor.name} section does not decompress: {err}") from None
     if len(out) != size:
         raise FormatError(f"{compressor.name} section holds {len(out)} bytes, expected {size}")

@@ -2,9 +2,10 @@
 
 For each rank of the step, the loader walks that rank's chain back to its base (or to the state
 it already holds), then decodes forward.  Every object is checked against its commit marker's
-SHA-256; every slice against the trainer's value checksum (incrementally for intermediate steps,
-in full for the step returned); every link against its predecessor's `snapshot_id`.  Any
-mismatch raises and leaves the loader's state, and any module, as it was.
+SHA-256; every part against the run manifest's run id (a part of another run is never ours);
+every slice against the trainer's value checksum (incrementally for intermediate steps, in full
+for the step returned).  Any mismatch raises and leaves the loader's state, and any module, as
+it was: held steps are never written to, and a step is decoded only into buffers no held step uses.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class DeltaLoader:
         # page faults cost as much as the decode itself.
         self._spare: dict[tuple[int, int], list[Tensor]] = {}
         self._fetched: list[fmt.PartHeader] = []
-        self._complete: dict[int, int] = {}  # step -> world size, for steps seen complete
+        self._complete: set[int] = set()  # steps seen complete
         self.last_report: LoadReport | None = None
 
     def steps(self, after: int | None = None) -> list[int]:
@@ -107,15 +108,21 @@ class DeltaLoader:
 
         Parts are never rewritten, so a step seen complete stays complete until it is deleted:
         a poll lists the step folders and looks into only those not yet seen complete.  With
-        `after` it lists only the newest block of folders (see `Store.published_steps`).
+        `after` it lists only the blocks from `after`'s on (see `Store.published_steps`).
         """
         listed = self.store.published_steps(after)
+        manifest = self.store.manifest()
+        if manifest is None:
+            if listed:
+                raise FormatError(
+                    f"{self.store.url} holds steps but no {fmt.RUN_MANIFEST}: not a {fmt.PART_FORMAT} chain"
+                )
+            return []
         if after is None:  # a full listing: steps deleted by retention drop out
-            present = set(listed)
-            self._complete = {s: w for s, w in self._complete.items() if s in present}
+            self._complete &= set(listed)
         for step in listed:
-            if step not in self._complete and (world := self.store.complete_world_size(step)):
-                self._complete[step] = world
+            if step not in self._complete and self.store.is_complete(step, manifest.world_size):
+                self._complete.add(step)
         return [s for s in listed if s in self._complete]
 
     def state_dict(self, step: int | None = None) -> tuple[int, dict[str, Tensor]]:
@@ -127,19 +134,17 @@ class DeltaLoader:
                 step = agree(step, self.group)
             if step < 0:
                 raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
-        world = self._complete.get(step) or self.store.complete_world_size(step)
-        if world is None:
+        manifest = self.store.manifest()
+        if manifest is None or not (step in self._complete or self.store.is_complete(step, manifest.world_size)):
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
+        world = manifest.world_size
         started, self._fetched = time.perf_counter(), []
         chains = self._fetch(step, world)
         states = [self._decode(step, rank, world, chain) for rank, chain in enumerate(chains)]
-        ids = {s.header.snapshot_id for s in states}
-        if len(ids) != 1:
-            raise ChainError(f"step {step}: rank parts belong to different snapshots {sorted(ids)}")
         tensors = _assemble(states)
         for rank, state in enumerate(states):
             replaced = self._states.get((rank, world))
-            if replaced is not None:
+            if replaced is not None and replaced is not state:  # the step held already is kept as is
                 self._spare[(rank, world)] = [p.bits for p in replaced.payloads]
             self._states[(rank, world)] = state
         self.last_report = LoadReport(
@@ -242,10 +247,10 @@ class DeltaLoader:
     ) -> list[tuple[bytes, fmt.PartHeader, memoryview]]:
         """Follow `prev_step` links back from `step` to a base or to the state already held."""
         chain: list[tuple[bytes, fmt.PartHeader, memoryview]] = []
-        at, wanted_id, last = step, None, None
+        at, last = step, None
+        held = self._states.get((rank, world))
         while True:
-            held = self._states.get((rank, world))
-            if held and held.header.step == at and wanted_id in (None, held.header.snapshot_id):
+            if held and held.header.step == at:
                 return chain
             try:
                 blob = self.store.read_blob(at, rank, world)
@@ -256,47 +261,53 @@ class DeltaLoader:
                     f"step {last.step} rank {rank} is a delta against step {at}, "
                     "which is not in the store (deleted, or its upload never finished)"
                 ) from None
-            header, payload = self.store.parse_part(blob, at, rank, world)
+            header, payload = self._part(blob, at, rank, world)
             chain.append((blob, header, payload))
             self._fetched.append(header)
             if header.kind == fmt.Kind.BASE:
                 if bar is not None:
                     bar.update(1)
                 return chain
-            at, wanted_id, last = header.prev_step, header.prev_snapshot_id, header
+            at, last = header.prev_step, header
 
     def _parse(self, step: int, rank: int, world: int, blobs: list[bytes]) -> list[_Part]:
         """Parts from blobs another replica worker fetched, each checked to be where the chain
         says it is (newest first, from `step` along `prev_step`)."""
         parts, at = [], step
         for blob in blobs:
-            header, payload = self.store.parse_part(blob, at, rank, world)
+            header, payload = self._part(blob, at, rank, world)
             parts.append((header, payload))
             if header.kind == fmt.Kind.BASE:
                 break
             at = header.prev_step
         return parts
 
+    def _part(self, blob: bytes, step: int, rank: int, world: int) -> _Part:
+        """A part's header and payload area, if the part is where it claims and of this run."""
+        header, payload = self.store.parse_part(blob, step, rank, world)
+        manifest = self.store.manifest()
+        assert manifest is not None  # no step is complete without one
+        if header.run_id != manifest.run_id:
+            raise ChainError(
+                f"{self.store.url}/{fmt.blob_path(step, rank, world)} is a part of run {header.run_id}, "
+                f"not of {manifest.run_id}, the run that owns the prefix: a foreign part"
+            )
+        return header, payload
+
     def _decode(self, step: int, rank: int, world: int, parts: list[_Part]) -> _RankState:
-        """Check the links of `parts` (newest first), then apply them to the held state or from
-        their base, verifying every payload."""
-        at, wanted_id = step, None
-        for i, (header, _) in enumerate(parts):
-            if wanted_id is not None and header.snapshot_id != wanted_id:
-                raise ChainError(
-                    f"step {parts[i - 1][0].step} rank {rank} expects predecessor {wanted_id}, "
-                    f"the store holds {header.snapshot_id} at step {at}"
-                )
-            if header.kind == fmt.Kind.BASE:  # always the last: the walk and the parse stop there
-                break
-            at, wanted_id = header.prev_step, header.prev_snapshot_id
+        """Apply `parts` (newest first, linked by `prev_step` and all of this run) to the held
+        state or from their base, verifying every payload."""
         held = self._states.get((rank, world))
         state = None
         if not parts or parts[-1][0].kind == fmt.Kind.DELTA:
-            state = held
-            if state is None or state.header.step != at or wanted_id not in (None, state.header.snapshot_id):
+            at = parts[-1][0].prev_step if parts else step
+            if held is None or held.header.step != at:
                 raise ChainError(f"step {step} rank {rank}: the chain does not reach a base or the step held")
-        spare = self._spare.pop((rank, world), [])  # lost if this step fails: never half-written state
+            state = held
+        # Buffers of held steps are never decoded into, whatever the pool holds: held steps are
+        # handed out again without re-verification.
+        taken = {p.bits.data_ptr() for s in self._states.values() for p in s.payloads}
+        spare = [None if b.data_ptr() in taken else b for b in self._spare.pop((rank, world), [])]
         for i, (header, payload) in enumerate(reversed(parts)):
             previous = state
             state = self._apply(state, header, payload, full_check=i == len(parts) - 1, spare=spare)
@@ -311,7 +322,7 @@ class DeltaLoader:
         header: fmt.PartHeader,
         payload: memoryview,
         full_check: bool,
-        spare: list[Tensor],
+        spare: list[Tensor | None],
     ) -> _RankState:
         where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
         if header.kind == fmt.Kind.DELTA:
@@ -324,7 +335,9 @@ class DeltaLoader:
         for i, entry in enumerate(header.payloads):
             data = payload[entry.offset : entry.offset + entry.length]
             old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
-            out = spare[i] if i < len(spare) and spare[i].numel() == entry.numel else None
+            out = spare[i] if i < len(spare) else None
+            if out is not None and out.numel() != entry.numel:
+                out = None
             if out is not None and (i not in dtypes or out.dtype != fmt.DTYPE_NAMES[dtypes[i]]):
                 out = None  # a spare of another dtype would make a valid payload look foreign
             try:

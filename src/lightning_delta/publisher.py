@@ -123,7 +123,7 @@ class _Encoded:
     started: float  # when its encoding began (perf_counter)
 
 
-_FAILED = _Encoded(fmt.PartHeader("", None, 0, None, fmt.Kind.BASE, 0, 1, 0.0), b"", 0.0)
+_FAILED = _Encoded(fmt.PartHeader("-", 0, None, fmt.Kind.BASE, 0, 1, 0.0), b"", 0.0)
 """Stage one's word to stage two that a snapshot was lost: deltas wait for the next base."""
 
 
@@ -178,7 +178,8 @@ class DeltaPublisher:
         base_every: a full base every this many steps, deltas in between.
         dtype: the 16-bit dtype that is shipped; the trainer's masters are never touched.
         process_group: the ranks that share the upload; default the world group if initialised.
-        run_id: shared by all ranks of one run; broadcast from rank 0 when not given.
+        run_id: continue this run (resume): the prefix's run manifest must name it.  Without it
+            a fresh run claims the prefix, and a prefix another run owns is refused.
         backlog: policy when `max_pending` snapshots already wait for upload.
         keep_bases: if set, rank 0 deletes the steps older than the `keep_bases`-th newest
             complete base after each base it commits (see `Store.collect`).
@@ -209,14 +210,13 @@ class DeltaPublisher:
             process_group = dist.group.WORLD
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        self.run_id = run_id or _shared_run_id(process_group)
+        self.run_id = _claim(self.store, run_id, self.rank, self.world_size, process_group)
         self._cache: list[_Group] | None = None
         self._layout: tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]] = ((), ())  # of the cache
         self._host: _HostSide | None = None
         self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
         self._last_step: int | None = None
         self._last_base: int | None = None
-        self._prev_snapshot_id: str | None = None
         self.skipped = 0
         self.last_upload: UploadStats | None = None
         self._error: BaseException | None = None
@@ -266,10 +266,8 @@ class DeltaPublisher:
             raise
         self._cache = cache
         kind = fmt.Kind.BASE if is_base else fmt.Kind.DELTA
-        snapshot_id = f"{self.run_id}-{step:012d}"
         header = fmt.PartHeader(
-            snapshot_id=snapshot_id,
-            prev_snapshot_id=None if is_base else self._prev_snapshot_id,
+            run_id=self.run_id,
             step=step,
             prev_step=None if is_base else self._last_step,
             kind=kind,
@@ -282,7 +280,7 @@ class DeltaPublisher:
         )
         diff_ms = (time.perf_counter() - started) * 1e3
         self._jobs.put(_Job(header, pieces, self._host.mark()))  # blocks only under Backlog.BLOCK
-        self._last_step, self._prev_snapshot_id = step, snapshot_id
+        self._last_step = step
         if is_base:
             self._last_base = step
         numel = sum(p.numel for p in self._layout[1])
@@ -393,8 +391,6 @@ class DeltaPublisher:
     def _commit(self, item: _Encoded) -> None:
         header = item.header
         self.store.commit_part(header.step, header.rank, header.world_size, item.blob)
-        if self.rank == 0:
-            self.store.advance_latest(header.step)
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
         dense = header.numel * self.dtype.itemsize
@@ -464,12 +460,29 @@ def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
     raise TypeError(f"tensors must be an nn.Module, a mapping or a callable, got {type(tensors).__name__}")
 
 
-def _shared_run_id(group: dist.ProcessGroup | None) -> str:
-    """A fresh id from rank 0 of the group: one collective, at construction only."""
-    ids = [uuid.uuid4().hex]
+def _claim(store: Store, run_id: str | None, rank: int, world_size: int, group: dist.ProcessGroup | None) -> str:
+    """The run id all ranks publish under, once rank 0 made the prefix this run's.
+
+    Rank 0 creates the run manifest exclusively (a fresh run) or finds it naming `run_id` (a
+    resumed one); anything else is refused on every rank.  One collective, at construction only.
+    """
+    outcome = ["", ""]  # run id, or the error every rank raises
+    if rank == 0:
+        wanted = fmt.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex
+        found = store.claim(wanted, world_size)
+        if found.run_id != wanted:
+            outcome[1] = (
+                f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
+                f"or pass run_id={found.run_id!r} to continue that run"
+            )
+        elif found.world_size != world_size:
+            outcome[1] = f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {world_size}"
+        outcome[0] = wanted
     if group is not None and dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(ids, src=dist.get_global_rank(group, 0), group=group)
-    return ids[0]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+    if outcome[1]:
+        raise PublishError(outcome[1])
+    return outcome[0]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -2,15 +2,20 @@
 
 Commit protocol (no rename needed, so it holds on S3 too): a rank writes its blob, then its
 commit marker.  A part counts only once its marker exists, and a step is visible only once
-the markers of all `world_size` ranks exist.  A publisher that dies mid-upload therefore
-leaves at most an invisible step behind.  Locally, each object is written to a temporary name
-and renamed, so a reader never opens a half-written file either.
+the markers of all the run's ranks exist.  A publisher that dies mid-upload therefore leaves at
+most an invisible step behind.  Locally, each object is written to a temporary name and renamed,
+so a reader never opens a half-written file either.
+
+Names found by listing are hints: only those that match their exact pattern count, and every
+object is read with a bound (its marker's size, or the format's cap for JSON objects), so a
+damaged or hostile store costs at most what the run's own objects would.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -23,6 +28,8 @@ from . import format as fmt
 from .errors import FormatError, SnapshotNotFoundError
 
 __all__ = ["Store", "as_store"]
+
+log = logging.getLogger(__name__)
 
 
 class Store:
@@ -39,6 +46,8 @@ class Store:
         self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
         self._root = self._root.rstrip("/")
         self._local = isinstance(self._fs, LocalFileSystem)
+        self._manifest: fmt.RunManifest | None = None
+        self._ignored: set[tuple[str, str]] = set()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -46,9 +55,21 @@ class Store:
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}"
 
-    def read(self, key: str) -> bytes:
-        """The object's bytes; FileNotFoundError if it does not exist."""
-        return self._fs.cat_file(self._path(key))
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; FileNotFoundError if it does not exist.
+
+        With `limit`, at most `limit + 1` bytes are fetched and a larger object is a `FormatError`:
+        a reader never holds more than the bound it expects.
+        """
+        try:
+            if limit is None:
+                return self._fs.cat_file(self._path(key))
+            data = self._fs.cat_file(self._path(key), start=0, end=limit + 1)
+        except (IsADirectoryError, NotADirectoryError):
+            raise FormatError(f"{self.url}/{key} is a folder, not an object") from None
+        if len(data) > limit:
+            raise FormatError(f"{self.url}/{key} is larger than the {limit} bytes expected")
+        return data
 
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Write an object so that readers see all of it or nothing.
@@ -104,6 +125,38 @@ class Store:
                 "give each run its own store prefix"
             ) from None
 
+    # ------------------------------------------------------------------ the run
+
+    def manifest(self) -> fmt.RunManifest | None:
+        """The run that owns this prefix; None while no publisher has claimed it.
+
+        It is never rewritten, so once read it is kept.
+        """
+        if self._manifest is None:
+            try:
+                data = self.read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES)
+            except FileNotFoundError:
+                return None
+            self._manifest = fmt.decode_manifest(data)
+        return self._manifest
+
+    def claim(self, run_id: str, world_size: int) -> fmt.RunManifest:
+        """Make this prefix `run_id`'s: create its manifest, or find it there already.
+
+        Returns the manifest in the store, which names another run if the prefix was taken.
+        """
+        manifest = fmt.RunManifest(run_id, world_size, time.time())
+        try:
+            self.write(fmt.RUN_MANIFEST, fmt.encode_manifest(manifest), exclusive=True)
+        except FileExistsError:
+            found = self.manifest()
+            assert found is not None  # created exclusively, never deleted
+            return found
+        self._manifest = manifest
+        return manifest
+
+    # ------------------------------------------------------------------ listing
+
     def committed_ranks(self, step: int) -> dict[int, set[int]]:
         """world_size -> ranks whose part of `step` is committed."""
         ranks: dict[int, set[int]] = defaultdict(set)
@@ -113,67 +166,70 @@ class Store:
                 ranks[parsed[1]].add(parsed[0])
         return ranks
 
+    def is_complete(self, step: int, world_size: int) -> bool:
+        """Whether every rank of `world_size` committed its part of `step`."""
+        return len(self.committed_ranks(step).get(world_size, ())) == world_size
+
     def published_steps(self, after: int | None = None) -> list[int]:
         """Steps whose folder exists, ascending (complete or not); with `after`, only later ones.
 
-        With `after` and the `latest` pointer, only the blocks from `after`'s to the pointer's
-        are listed: a follower's poll costs the same at step 10 and at step 10 million.
+        One listing of `steps/` names the blocks; with `after`, only the blocks from `after`'s on
+        are listed, so a follower's poll costs two listings at step 10 and at step 10 million.
         """
-        latest = self.latest() if after is not None else None
-        if after is not None and latest is not None:
-            blocks: Iterable[int] = range(after // fmt.STEPS_PER_BLOCK, max(after, latest) // fmt.STEPS_PER_BLOCK + 1)
-        else:
-            blocks = sorted(int(n) for n in self.list("steps") if n.isdigit())
-            if after is not None:
-                blocks = [b for b in blocks if b >= after // fmt.STEPS_PER_BLOCK]
-        steps = [int(n) for b in blocks for n in self.list(fmt.block_dir(b)) if n.isdigit()]
+        first = 0 if after is None else after // fmt.STEPS_PER_BLOCK
+        steps = []
+        for block in self._names("steps", fmt.parse_block_name):
+            if block >= first:
+                steps += self._names(fmt.block_dir(block), lambda n, b=block: fmt.parse_step_name(n, b))
         return sorted(s for s in steps if after is None or s > after)
 
-    def latest(self) -> int | None:
-        """The newest step rank 0 committed, from the `latest` pointer; None without one."""
+    def _names(self, key: str, parse: Any) -> list[int]:
+        """The entries below `key` that `parse` reads; the others are logged once and ignored."""
+        found = []
+        for name in self.list(key):
+            value = parse(name)
+            if value is not None:
+                found.append(value)
+            elif (key, name) not in self._ignored:
+                self._ignored.add((key, name))
+                log.warning("ignoring %s/%s/%s: not a name this format writes", self.url, key, name)
+        return found
+
+    # ------------------------------------------------------------------ parts
+
+    def read_marker(self, step: int, rank: int, world_size: int) -> fmt.CommitMarker:
+        where = fmt.commit_path(step, rank, world_size)
         try:
-            raw = json.loads(self.read(fmt.LATEST))
-        except (FileNotFoundError, ValueError):
-            return None
-        step = raw.get("step") if isinstance(raw, dict) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-    def advance_latest(self, step: int) -> None:
-        """Point `latest` at `step` (rank 0, after committing it): a hint, never trusted for data."""
-        self.write(fmt.LATEST, json.dumps({"step": step}).encode())
-
-    def complete_world_size(self, step: int) -> int | None:
-        """The world size whose every rank committed `step`, None if no such set exists."""
-        complete = [w for w, ranks in self.committed_ranks(step).items() if len(ranks) == w]
-        if len(complete) > 1:
-            raise FormatError(f"step {step} is complete for several world sizes: {sorted(complete)}")
-        return complete[0] if complete else None
+            return fmt.decode_commit(self.read(where, fmt.MAX_MARKER_BYTES))
+        except FileNotFoundError:
+            raise SnapshotNotFoundError(f"{self.url}/{where} does not exist: the part is not committed") from None
+        except FormatError as err:
+            raise FormatError(f"{self.url}/{where}: {err}") from None
 
     def read_header(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, int]:
         """A committed part's header and blob size, with two ranged reads; nothing is verified
         beyond the header's own rules (use `read_part` before trusting any values)."""
+        size = self.read_marker(step, rank, world_size).size
         where = fmt.blob_path(step, rank, world_size)
         try:
-            size, _ = fmt.decode_commit(self.read(fmt.commit_path(step, rank, world_size)))
-            end = fmt.header_end(self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES), size)
+            prefix = self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES)
+            end = fmt.header_end(prefix, size)
             header = fmt.decode_header(self._fs.cat_file(self._path(where), start=0, end=end))
-        except FileNotFoundError:
-            raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise FormatError(f"{self.url}/{where} is committed but missing") from None
+        except FormatError as err:
+            raise FormatError(f"{self.url}/{where}: {err}") from None
         return self._placed(header, step, rank, world_size), size
 
     def read_blob(self, step: int, rank: int, world_size: int) -> bytes:
         """A committed part's bytes, checked against its marker (size and SHA-256)."""
+        marker = self.read_marker(step, rank, world_size)
         where = fmt.blob_path(step, rank, world_size)
         try:
-            marker = self.read(fmt.commit_path(step, rank, world_size))
-        except FileNotFoundError:
-            raise SnapshotNotFoundError(f"{self.url}/{where} is not committed") from None
-        size, digest = fmt.decode_commit(marker)
-        try:
-            blob = self.read(where)
+            blob = self.read(where, marker.size)
         except FileNotFoundError:
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
-        fmt.verify_blob(blob, size, digest, f"{self.url}/{where}")
+        fmt.verify_blob(blob, marker, f"{self.url}/{where}")
         return blob
 
     def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
@@ -182,7 +238,10 @@ class Store:
 
     def parse_part(self, blob: bytes, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
         """Header and payload area of the blob of a part, which must belong where it claims."""
-        header, payload = fmt.decode_blob(blob)
+        try:
+            header, payload = fmt.decode_blob(blob)
+        except FormatError as err:
+            raise FormatError(f"{self.url}/{fmt.blob_path(step, rank, world_size)}: {err}") from None
         return self._placed(header, step, rank, world_size), payload
 
     def _placed(self, header: fmt.PartHeader, step: int, rank: int, world_size: int) -> fmt.PartHeader:
@@ -194,31 +253,34 @@ class Store:
 
     # ------------------------------------------------------------------ retention
 
-    def is_base_step(self, step: int) -> bool:
+    def is_base_step(self, step: int, world_size: int) -> bool:
         """Whether `step` is complete and every rank's part of it is a base: a chain starts there."""
-        world = self.complete_world_size(step)
-        return world is not None and all(
-            self.read_header(step, rank, world)[0].kind == fmt.Kind.BASE for rank in range(world)
+        return self.is_complete(step, world_size) and all(
+            self.read_header(step, rank, world_size)[0].kind == fmt.Kind.BASE for rank in range(world_size)
         )
 
     def collect(self, keep_bases: int) -> list[int]:
         """Delete every step older than the `keep_bases`-th newest complete base step.
 
         Nothing a reader can still rebuild from the kept bases is touched: every part after a
-        complete base chains back no further than it.  Markers go first, so a part is never
-        committed without its blob.  Returns the deleted steps.
+        complete base chains back no further than it.  Steps go newest first, each one's markers
+        before anything else, so if the deleter dies at any moment every step that is still
+        complete still rebuilds (what it leads back to is all older).  Returns the deleted steps.
         """
         if keep_bases < 1:
             raise ValueError(f"keep_bases must be >= 1, got {keep_bases}")
+        manifest = self.manifest()
+        if manifest is None:
+            return []
         steps, found, cutoff = self.published_steps(), 0, None
         for step in reversed(steps):
-            if self.is_base_step(step):
+            if self.is_base_step(step, manifest.world_size):
                 found += 1
                 if found == keep_bases:
                     cutoff = step
                     break
         doomed = [s for s in steps if cutoff is not None and s < cutoff]
-        for step in doomed:
+        for step in reversed(doomed):
             folder = fmt.step_dir(step)
             self.delete(f"{folder}/{n}" for n in self.list(folder) if n.endswith(".commit"))
             self._fs.rm(self._path(folder), recursive=True)
