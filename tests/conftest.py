@@ -11,10 +11,13 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_delta import DeltaPublisher
 from lightning_delta.shards import named_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.py) is shared with the tests
+
+from tinylm import TinyLM  # noqa: E402
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -25,6 +28,37 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
 def bf16_state(module: torch.nn.Module) -> dict[str, Tensor]:
     """A bf16 copy of every tensor the publisher ships: what a loader must rebuild exactly."""
     return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(module).items()}
+
+
+def train(publisher: DeltaPublisher | None, model: TinyLM, steps: int, lr: float = 1e-4, seed: int = 0):
+    """AdamW steps on random tokens; returns the true bf16 state after each step."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    truth = {}
+    for step in range(1, steps + 1):
+        tokens = torch.randint(0, 97, (4, 17), generator=g)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        truth[step] = bf16_state(model)
+        if publisher is not None:
+            publisher.publish(step)
+    return truth
+
+
+def published_run(store_url: str, steps: int, base_every: int = 25) -> dict[int, dict[str, torch.Tensor]]:
+    """A seeded TinyLM trained for `steps` steps, each one published; its true bf16 state per step."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model, base_every=base_every) as pub:
+        return train(pub, model, steps)
+
+
+def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    assert state.keys() == truth.keys()
+    for name in truth:
+        assert bitwise_equal(state[name], truth[name]), name
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:

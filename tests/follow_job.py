@@ -1,9 +1,10 @@
 """A rollout worker in a process of its own, started by tests:
 
-    python tests/follow_job.py URL ENDPOINT OUT.safetensors
+    python tests/follow_job.py URL ENDPOINT OUT.safetensors LAST
 
-It follows the chain at URL (on the S3 endpoint ENDPOINT) until no new step comes for a few
-seconds, then writes the last step it holds to OUT, with the steps it saw in the metadata.
+It follows the chain at URL (on the S3 endpoint ENDPOINT) until it has handed out step LAST,
+appending each step it hands out to OUT.progress as it goes (a test waits on that file, not on
+a clock), then writes the last step it holds to OUT, with the steps it saw in the metadata.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from lightning_delta import DeltaLoader
 
 
 def main() -> None:
-    url, endpoint, out = sys.argv[1:4]
+    url, endpoint, out, last = sys.argv[1:5]
     loader = DeltaLoader(url, storage_options={"client_kwargs": {"endpoint_url": endpoint}})
     seen, tensors = [], {}
-    for followed in loader.follow(poll_seconds=0.05, timeout=6.0):
-        seen.append(followed.step)
-        tensors = followed.tensors
+    with open(f"{out}.progress", "a") as progress:
+        for followed in loader.follow(poll_seconds=0.05, timeout=300.0):  # the timeout only ends a lost test
+            seen.append(followed.step)
+            tensors = followed.tensors
+            progress.write(f"{followed.step}\n")
+            progress.flush()
+            if followed.step >= int(last):
+                break
     save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={"seen": json.dumps(seen)})
 
 

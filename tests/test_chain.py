@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import bf16_state, bitwise_equal
+from conftest import assert_state, bf16_state, published_run, train
 from lightning_delta import (
     Backlog,
     ChecksumError,
@@ -22,37 +22,6 @@ from lightning_delta import (
 )
 from lightning_delta import format as fmt
 from tinylm import TinyLM
-
-
-def train(publisher: DeltaPublisher | None, model: TinyLM, steps: int, lr: float = 1e-4, seed: int = 0):
-    """AdamW steps on random tokens; returns the true bf16 state after each step."""
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    truth = {}
-    for step in range(1, steps + 1):
-        tokens = torch.randint(0, 97, (4, 17), generator=g)
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-        truth[step] = bf16_state(model)
-        if publisher is not None:
-            publisher.publish(step)
-    return truth
-
-
-def published_run(store_url: str, steps: int, base_every: int = 25) -> dict[int, dict[str, torch.Tensor]]:
-    """A seeded TinyLM trained for `steps` steps, each one published; its true bf16 state per step."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=base_every) as pub:
-        return train(pub, model, steps)
-
-
-def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
-    assert state.keys() == truth.keys()
-    for name in truth:
-        assert bitwise_equal(state[name], truth[name]), name
 
 
 def test_every_step_rebuilds_bit_exactly_and_bases_follow_the_schedule(store_url):
@@ -203,18 +172,28 @@ class SlowStore(Store):
         super().write(key, data, exclusive=exclusive)
 
 
-def test_coalescing_thins_published_steps_but_keeps_the_chain_exact(store_url):
+def test_coalescing_skips_steps_instead_of_waiting_and_keeps_the_chain_exact(store_url):
+    """Uploads stall until the training loop is over: under BLOCK it could never end; under
+    COALESCE it ends, having published only what fits in the pipeline."""
+    gate = threading.Event()
+
+    class StalledStore(Store):
+        def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+            if key != fmt.RUN_MANIFEST:
+                assert gate.wait(120), "the training loop waited for an upload"
+            super().write(key, data, exclusive=exclusive)
+
     torch.manual_seed(0)
     model = TinyLM()
-    pub = DeltaPublisher(SlowStore(store_url, 0.05), model, base_every=5, backlog=Backlog.COALESCE, max_pending=1)
-    started = time.perf_counter()
+    pub = DeltaPublisher(StalledStore(store_url), model, base_every=5, backlog=Backlog.COALESCE, max_pending=1)
     truth = train(pub, model, 20)
-    trained = time.perf_counter() - started
+    # at most one snapshot in upload, one compressed and waiting, one being compressed, one queued
+    assert pub.skipped >= 16
+    gate.set()
     pub.close()
     loader = DeltaLoader(store_url)
     steps = loader.steps()
-    assert pub.skipped > 0 and len(steps) == 20 - pub.skipped
-    assert trained < 20 * 2 * 0.05  # never waited for every upload
+    assert len(steps) == 20 - pub.skipped and steps[0] == 1
     for step in steps:
         assert_state(loader.state_dict(step)[1], truth[step])
 

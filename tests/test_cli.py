@@ -39,7 +39,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_hydra_overrides_reach_the_callback(chain):
     store = Store(chain)
-    bases = [s for s in store.published_steps() if store.is_base_step(s)]
+    bases = [s for s in store.published_steps() if store.is_base_step(s, 1)]
     assert bases == [1, 6, 11]  # delta.base_every=5 from the command line
 
 

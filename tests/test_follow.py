@@ -6,13 +6,14 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
 from conftest import bf16_state, bitwise_equal
-from lightning_delta import DeltaLoader, DeltaPublisher, Store
+from lightning_delta import DeltaLoader, DeltaPublisher, FollowedStep, Store
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -26,8 +27,12 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.publisher = DeltaPublisher(url, self.model, base_every=base_every, keep_bases=keep_bases)
 
-    def steps(self, count: int, pause: float = 0.0) -> None:
+    def steps(self, count: int, pause: float = 0.0, before: Progress | None = None) -> None:
+        """Publish `count` steps; with `before`, each only once the follower handed out the previous
+        one (a follower in sync, however slowly this machine runs it)."""
         for _ in range(count):
+            if before is not None:
+                before.wait_for(self.step)
             self.step += 1
             self.model(torch.randint(0, 97, (2, 9))).square().mean().backward()
             self.opt.step()
@@ -38,22 +43,47 @@ class Trainer:
             time.sleep(pause)
 
 
+class Progress:
+    """The newest step a follower handed out, for a writer to wait on instead of a clock."""
+
+    def __init__(self) -> None:
+        self.newest, self.changed = 0, threading.Condition()
+
+    def saw(self, step: int) -> None:
+        with self.changed:
+            self.newest = max(self.newest, step)
+            self.changed.notify_all()
+
+    def wait_for(self, step: int, timeout: float = 120.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.newest >= step, timeout), f"follower never reached {step}"
+
+
+def until(follower: Iterator[FollowedStep], last: int) -> Iterator[FollowedStep]:
+    """The steps `follower` hands out, up to `last` (a generous idle timeout only ends a lost test)."""
+    for followed in follower:
+        yield followed
+        if followed.step >= last:
+            return
+
+
 def assert_exact(followed, truth) -> None:
     assert all(bitwise_equal(followed.tensors[n], t) for n, t in truth[followed.step].items()), followed.step
 
 
 def test_a_follower_keeps_up_with_a_live_chain(store_url):
-    trainer = Trainer(store_url)
-    writer = threading.Thread(target=trainer.steps, args=(12, 0.05))
+    trainer, progress = Trainer(store_url), Progress()
+    trainer.steps(1)
+    writer = threading.Thread(target=trainer.steps, args=(11, 0.0, progress))
     writer.start()
     seen = []
-    for followed in DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=5.0):
+    for followed in until(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120), 12):
         assert_exact(followed, trainer.truth)
         seen.append(followed.step)
+        progress.saw(followed.step)
     writer.join()
     trainer.publisher.close()
-    assert seen == sorted(set(seen)) and seen[-1] == 12
-    assert len(seen) >= 2  # it followed the chain while it was written, not just its end
+    assert seen == list(range(1, 13))  # each step while the chain was written, none skipped
 
 
 def test_a_follower_that_fell_behind_jumps_to_the_newest_step_and_reports_it(store_url):
@@ -76,10 +106,12 @@ def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store
     trainer = Trainer(store_url, base_every=5)  # bases at 1, 6, 11
     trainer.steps(9)
     shutil.rmtree(Path(store_url, fmt.step_dir(8)))  # steps 9 and 10 cannot rebuild
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=5.0)
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120)
     caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
-    threading.Timer(0.3, trainer.steps, args=(3,)).start()  # 10 (broken), 11 (base), 12
-    seen = list(follower)
+    writer = threading.Thread(target=trainer.steps, args=(3,))  # 10 (broken), 11 (base), 12
+    writer.start()
+    seen = list(until(follower, 12))
+    writer.join()
     trainer.publisher.close()
     assert [f.step for f in seen] in ([11, 12], [12])  # never 9 or 10, whose chain lost step 8
     for f in seen:
@@ -144,29 +176,35 @@ def test_catch_up_drops_steps_staler_than_max_staleness(store_url, caplog):
     trainer = Trainer(store_url)
     trainer.steps(3)
     caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, max_staleness=1, catch_up=True, timeout=1.0)
+    loader = DeltaLoader(store_url)
+    follower = loader.follow(poll_seconds=0.01, max_staleness=1, catch_up=True, timeout=120)
     assert next(follower).step == 3
     # While the caller "generates", step 4 is prefetched, then four more are published: step 4
     # is 4 behind when handed out, so it is dropped for the newest.
     trainer.steps(1)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 120
+    while not (loader.last_report and loader.last_report.step == 4):  # prefetched: rebuilt in the background
+        assert time.monotonic() < deadline, "step 4 was never prefetched"
+        time.sleep(0.01)
     trainer.steps(4)
-    rest = [f for f in follower]
-    assert rest and rest[-1].step == 8 and all(f.behind <= 1 for f in rest)
+    rest = list(until(follower, 8))
+    assert rest and rest[-1].step == 8 and all(f.behind <= 1 for f in rest) and 4 not in [f.step for f in rest]
     assert any("behind the store" in r.message for r in caplog.records)
     trainer.publisher.close()
 
 
 def test_retention_never_takes_what_a_live_follower_needs(store_url):
     trainer = Trainer(store_url, base_every=3, keep_bases=1)  # only the newest base's segment stays
-    writer = threading.Thread(target=trainer.steps, args=(20, 0.03))
+    progress = Progress()
+    writer = threading.Thread(target=trainer.steps, args=(20, 0.0, progress))
     writer.start()
     seen = []
-    for followed in DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=3.0):
+    for followed in until(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120), 20):
         assert followed.skipped == ()  # nothing it needed was ever gone
         assert_exact(followed, trainer.truth)
         seen.append(followed.step)
+        progress.saw(followed.step)
     writer.join()
     trainer.publisher.close()
-    assert seen[-1] == 20 and len(seen) > 3
+    assert seen == list(range(1, 21))
     assert Store(store_url).published_steps()[0] == 19  # older segments were deleted meanwhile

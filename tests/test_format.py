@@ -187,9 +187,9 @@ def test_names():
     assert fmt.parse_part_name("rank-00002-of-00002.ldelta.commit") is None
     assert fmt.parse_part_name("rank-00001-of-00002.ldelta") is None
     assert fmt.parse_block_name("000000001") == 1
-    for stray in ["²", "5", "00000000²", "0000000001", "000000001.tmp"]:
+    for stray in ["\u00b2", "5", "00000000\u00b2", "0000000001", "000000001.tmp"]:
         assert fmt.parse_block_name(stray) is None
     assert fmt.parse_step_name("000000001005", 1) == 1005
     assert fmt.parse_step_name("000000001005", 0) is None  # a step in another block's folder
-    for stray in ["5", "²" * 12, "00000000000５", "０００００００００００５"]:
+    for stray in ["5", "\u00b2" * 12, "00000000000\uff15", "\uff10" * 11 + "\uff15"]:  # fullwidth digits
         assert fmt.parse_step_name(stray, 0) is None

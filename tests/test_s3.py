@@ -131,24 +131,31 @@ def test_three_follower_processes_one_late_end_on_the_trainers_last_step(s3_url,
     endpoint = options["client_kwargs"]["endpoint_url"]
 
     def follower(name: str) -> subprocess.Popen:
-        cmd = [sys.executable, str(ROOT / "tests" / "follow_job.py"), url, endpoint, str(tmp_path / name)]
+        cmd = [sys.executable, str(ROOT / "tests" / "follow_job.py"), url, endpoint, str(tmp_path / name), "50"]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def has_followed(name: str) -> bool:
+        progress = tmp_path / f"{name}.safetensors.progress"
+        return progress.exists() and bool(progress.read_text().strip())
+
+    def on_step(step: int) -> None:
+        if step == 10:  # the first two hand out a step before the rest is written, however slow they start
+            deadline = time.monotonic() + 240
+            while not (has_followed("a") and has_followed("b")):
+                assert time.monotonic() < deadline, "followers never handed out a step"
+                assert all(p.poll() is None for p in procs), "a follower died"
+                time.sleep(0.05)
+        if step == 30:
+            late.append(follower("late.safetensors"))
 
     torch.manual_seed(0)
     model = TinyLM()
     procs = [follower("a.safetensors"), follower("b.safetensors")]
     late: list[subprocess.Popen] = []
-    time.sleep(3.0)  # let the first two start following before anything is published
     with DeltaPublisher(url, model, base_every=10, storage_options=options) as publisher:
-        truth = train(
-            publisher,
-            model,
-            range(1, 51),
-            pause=0.05,
-            on_step=lambda step: late.append(follower("late.safetensors")) if step == 30 else None,
-        )
+        truth = train(publisher, model, range(1, 51), pause=0.05, on_step=on_step)
     for proc in procs + late:
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
     for name in ("a", "b", "late"):
         path = tmp_path / f"{name}.safetensors"
@@ -222,10 +229,11 @@ def test_a_trainer_killed_mid_upload_leaves_no_visible_step_and_the_next_run_hea
     assert store.published_steps() == [1, 2, 3, 4, 5]  # step 5's blob is there ...
     assert loader.steps() == [1, 2, 3, 4]  # ... but without its marker no reader sees it
     held = loader.state_dict(4)[0]
-    # The next run starts past everything in the store; its first step is a base.
+    # The run resumes (a new trajectory: another seed) past everything in the store, from a base.
     torch.manual_seed(1)
     model = TinyLM()
-    with DeltaPublisher(url, model, base_every=3, storage_options=options) as publisher:
+    run_id = store.manifest().run_id
+    with DeltaPublisher(url, model, base_every=3, storage_options=options, run_id=run_id) as publisher:
         truth = train(publisher, model, range(store.published_steps()[-1] + 1, 9))
     assert loader.steps() == [1, 2, 3, 4, 6, 7, 8]
     for step in (6, 7, 8):  # a loader that held step 4 re-syncs at the new run's base

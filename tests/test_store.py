@@ -110,7 +110,6 @@ def test_a_resumed_publisher_continues_its_run_from_a_base(tmp_path):
     assert step == 3 and bitwise_equal(state["head.weight"], model.head.weight.detach().to(torch.bfloat16))
 
 
-
 def test_a_resumed_publisher_must_have_the_runs_world_size(tmp_path):
     url = str(tmp_path / "store")
     Store(url).claim("two-ranks", 2)

@@ -83,7 +83,7 @@ MAX_STEP = 10**12 - 1  # step folders have 12 digits
 MAX_WORLD_SIZE = 99_999  # part names have 5 digits for rank and world size
 
 _PREFIX = struct.Struct("<8sQ")
-_PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.ldelta\.commit")  # ASCII digits: \d takes "５"
+_PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.ldelta\.commit")  # ASCII digits: \d takes fullwidth ones
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}

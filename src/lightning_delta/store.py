@@ -107,6 +107,10 @@ class Store:
         if paths:
             self._fs.rm(paths)
 
+    def delete_folder(self, key: str) -> None:
+        """Everything below `key`, and the folder itself where folders exist."""
+        self._fs.rm(self._path(key), recursive=True)
+
     # ------------------------------------------------------------------ commit protocol
 
     def commit_part(self, step: int, rank: int, world_size: int, blob: bytes) -> None:
@@ -283,7 +287,7 @@ class Store:
         for step in reversed(doomed):
             folder = fmt.step_dir(step)
             self.delete(f"{folder}/{n}" for n in self.list(folder) if n.endswith(".commit"))
-            self._fs.rm(self._path(folder), recursive=True)
+            self.delete_folder(folder)
         return doomed
 
 

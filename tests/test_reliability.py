@@ -1,0 +1,380 @@
+"""Exact weights or a `DeltaError`, whatever the store holds and whatever order calls come in.
+
+Each test reproduces one finding of the review of format 2 (issue #12) and pins its fix; the
+stateful property test at the end drives random call sequences over a damaged chain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from conftest import assert_state, published_run
+from lightning_delta import (
+    ChainError,
+    ChecksumError,
+    DeltaError,
+    DeltaLoader,
+    FormatError,
+    Store,
+    codec,
+)
+from lightning_delta import format as fmt
+
+# ----------------------------------------------------------------------------- damage
+
+
+def rewrite(store: Store, step: int, mutate: Callable[[bytearray], bytes], *, resign: bool) -> None:
+    """Replace a step's blob by `mutate(blob)`; with `resign`, its marker is made to match, so
+    only the header rules and the value checksums can catch the change."""
+    key = fmt.blob_path(step, 0, 1)
+    blob = bytes(mutate(bytearray(store.read(key))))
+    store.write(key, blob)
+    if resign:
+        store.write(fmt.commit_path(step, 0, 1), fmt.encode_commit(blob))
+
+
+def flip_payload(blob: bytearray) -> bytearray:
+    header, _ = fmt.decode_blob(bytes(blob))
+    last = header.payloads[-1]
+    blob[len(blob) - last.length // 2] ^= 0x01
+    return blob
+
+
+def flip_header(blob: bytearray) -> bytearray:
+    blob[40] ^= 0x01
+    return blob
+
+
+DAMAGE: dict[str, Callable[[Store, int, Path], None]] = {
+    "payload bit, marker re-signed": lambda s, step, _: rewrite(s, step, flip_payload, resign=True),
+    "header bit": lambda s, step, _: rewrite(s, step, flip_header, resign=False),
+    "truncated": lambda s, step, _: rewrite(s, step, lambda b: b[:-7], resign=False),
+    "blob deleted": lambda s, step, _: s.delete([fmt.blob_path(step, 0, 1)]),
+    "blob replaced by a folder": lambda s, step, _: (
+        s.delete([fmt.blob_path(step, 0, 1)]),
+        os.makedirs(f"{s.url}/{fmt.blob_path(step, 0, 1)}/x"),
+    ),
+    "part of another run": lambda s, step, other: (
+        s.write(fmt.blob_path(step, 0, 1), Store(str(other)).read(fmt.blob_path(step, 0, 1))),
+        s.write(fmt.commit_path(step, 0, 1), Store(str(other)).read(fmt.commit_path(step, 0, 1))),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory) -> Path:
+    """The same seeded training published by another run: same layout, same bytes but the run id."""
+    url = tmp_path_factory.mktemp("other") / "store"
+    published_run(str(url), 8, base_every=10)
+    return url
+
+
+# ----------------------------------------------------------------------------- held steps
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_failed_load_never_changes_the_step_held(store_url, other_run, damage):
+    """Issue #12, finding 1: state_dict(3) twice, a failing state_dict(7), then state_dict(3)."""
+    truth = published_run(store_url, 8, base_every=10)
+    store = Store(store_url)
+    DAMAGE[damage](store, 7, other_run)
+    loader = DeltaLoader(store_url)
+    for _ in range(2):  # a poll that finds nothing new asks for the step it holds
+        assert_state(loader.state_dict(3)[1], truth[3])
+    with pytest.raises(DeltaError):
+        loader.state_dict(7)
+    assert_state(loader.state_dict(3)[1], truth[3])
+    assert_state(loader.state_dict(6)[1], truth[6])
+    with pytest.raises(DeltaError):
+        loader.state_dict(8)
+    assert_state(loader.state_dict(5)[1], truth[5])
+
+
+def test_polling_the_newest_step_keeps_serving_it_exactly(store_url):
+    truth = published_run(store_url, 4, base_every=10)
+    loader = DeltaLoader(store_url)
+    for _ in range(5):
+        step, state = loader.state_dict()
+        assert step == 4
+        assert_state(state, truth[4])
+
+
+def test_a_foreign_part_is_a_chain_error_and_verify_names_it(store_url, other_run, capsys):
+    from lightning_delta.cli import main
+
+    published_run(store_url, 8, base_every=10)
+    DAMAGE["part of another run"](Store(store_url), 6, other_run)
+    with pytest.raises(ChainError, match="foreign part"):
+        DeltaLoader(store_url).state_dict(6)
+    assert main(["verify", store_url]) == 1
+    out = capsys.readouterr().out
+    assert "step 6: ChainError" in out and "foreign part" in out and "step 5:" not in out
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def _raw_payload(n: int, sections: list[tuple[codec.Compressor, bytes]]) -> bytes:
+    head = codec._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.NONE, 0, 1)
+    out = [head, codec._varint(n), codec._varint(n), codec._varint(0)]
+    for compressor, data in sections:
+        out += [bytes([compressor]), codec._varint(len(data)), data]
+    return b"".join(out)
+
+
+def _rle_frame(total: int, *, declare: bool) -> bytes:
+    """A magic-less zstd frame of `total` zero bytes in 128 KiB RLE blocks (4 bytes each)."""
+    head = bytes([0xE0]) + total.to_bytes(8, "little") if declare else bytes([0x00, (27 - 10) << 3])
+    blocks, left = [], total
+    while left:
+        size = min(left, 1 << 17)
+        left -= size
+        blocks.append(((0 if left else 1) | 2 | size << 3).to_bytes(3, "little") + b"\0")
+    return head + b"".join(blocks)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        _rle_frame(3 << 29, declare=True),  # 49 KB that declares and would fill 1.5 GiB
+        _rle_frame(3 << 29, declare=False),  # the same without a declared size
+        bytes([0xE0]) + (1 << 45).to_bytes(8, "little") + (1 | 2 | 1 << 3).to_bytes(3, "little") + b"\0",
+    ],
+    ids=["declared-1.5GiB", "undeclared-1.5GiB", "declared-2**45"],
+)
+def test_a_zstd_frame_never_sizes_its_own_output(frame):
+    """Finding 2: the payload header's element count bounds every section before it is decoded."""
+    payload = _raw_payload(1024, [(codec.Compressor.NONE, bytes(1024)), (codec.Compressor.ZSTD, frame)])
+    with pytest.raises(FormatError, match="ZSTD section"):
+        codec.decode(None, payload, numel=1024)
+
+
+def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
+    old = torch.zeros(1024, dtype=torch.bfloat16)
+    payload = bytearray(codec.encode(None, old))
+    for i in range(len(payload) * 8):
+        payload[i // 8] ^= 1 << (i % 8)
+        try:
+            out = codec.decode(None, bytes(payload), numel=1024)
+        except FormatError:
+            pass
+        else:  # a flip the format cannot see (a padding bit, a mantissa byte): the checksum does
+            assert out.numel() == 1024
+        payload[i // 8] ^= 1 << (i % 8)
+
+
+@pytest.mark.parametrize("numel", [2**31, 2**40, 2**40 + 1, 2**62])
+def test_declared_sizes_are_bounded_before_allocation(numel):
+    """Finding 3: an lz4 section of 2**31 bytes was an OverflowError, 2**62 elements a MemoryError."""
+    payload = _raw_payload(numel, [(codec.Compressor.LZ4, b"\0" * 16), (codec.Compressor.LZ4, b"\0" * 16)])
+    with pytest.raises(FormatError):
+        codec.decode(None, payload, numel=numel)
+
+
+def test_an_object_larger_than_its_marker_is_not_read_whole(store_url):
+    """Finding 2: a blob far larger than its marker says is refused after marker-size + 1 bytes."""
+    published_run(store_url, 2)
+    store = Store(store_url)
+    key = fmt.blob_path(2, 0, 1)
+    store.write(key, store.read(key) + bytes(8 << 20))
+    reads: list[int] = []
+    original = store._fs.cat_file
+    store._fs.cat_file = lambda path, start=None, end=None, **kw: reads.append(end) or original(path, start, end, **kw)
+    with pytest.raises(FormatError, match="larger than"):
+        store.read_blob(2, 0, 1)
+    assert max(r for r in reads if r is not None) < 1 << 20
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def test_stray_names_are_ignored_and_logged_once(store_url, caplog):
+    """Finding 6: a folder '²' made steps() raise, a folder '5' listed step 5 twice."""
+    truth = published_run(store_url, 5)
+    root = Path(store_url)
+    for stray in ["steps/\u00b2", "steps/000000000/5", "steps/000000000/00000000000\uff15", "steps/000000001"]:
+        (root / stray).mkdir()
+    (root / "steps/000000000/000000001005").mkdir()  # a step in the wrong block
+    (root / "steps/000000000/000000000003/rank-00000-of-00001.ldelta.tmp-1").write_bytes(b"x")
+    loader = DeltaLoader(store_url)
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.store"):
+        assert loader.steps() == [1, 2, 3, 4, 5]
+        assert loader.steps() == [1, 2, 3, 4, 5]
+    logged = [r.getMessage().split()[1].rstrip(":").rsplit("/", 1)[-1] for r in caplog.records]
+    assert sorted(logged) == sorted(["000000001005", "00000000000\uff15", "5", "\u00b2"])  # once each
+    assert_state(loader.state_dict(5)[1], truth[5])
+
+
+def test_a_stale_or_hostile_latest_object_changes_nothing(store_url):
+    """Finding 5: a `latest` of 10**12 listed 10**9 blocks; a stale one hid steps 1000-1003."""
+    published_run(store_url, 3)
+    Path(store_url, "latest").write_text(json.dumps({"step": 10**12}))
+    assert DeltaLoader(store_url).steps(after=0) == [1, 2, 3]
+    Path(store_url, "latest").write_text(json.dumps({"step": 1}))
+    assert DeltaLoader(store_url).steps(after=1) == [2, 3]
+
+
+def test_a_chain_without_a_manifest_is_refused(store_url):
+    published_run(store_url, 2)
+    os.remove(Path(store_url, fmt.RUN_MANIFEST))
+    with pytest.raises(FormatError, match=r"no run\.json"):
+        DeltaLoader(store_url).steps()
+    assert DeltaLoader(str(Path(store_url).parent / "empty")).steps() == []
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+class KilledStore(Store):
+    """A store whose deleter dies (raises) at its `budget`-th deleting call."""
+
+    def __init__(self, url: str, budget: int) -> None:
+        super().__init__(url)
+        self.budget = budget
+
+    def _spend(self) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise KeyboardInterrupt("killed")
+
+    def delete(self, keys) -> None:
+        for key in list(keys):  # object by object, so a kill can fall between any two
+            self._spend()
+            super().delete([key])
+
+    def delete_folder(self, key: str) -> None:
+        self._spend()
+        super().delete_folder(key)
+
+
+def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp_path):
+    """Finding 7: gc deleted oldest first, so a kill left deltas whose base was gone."""
+    source = tmp_path / "source"
+    truth = published_run(str(source), 14, base_every=4)  # bases 1, 5, 9, 13
+    moments = 0
+    while True:
+        url = tmp_path / f"kill-{moments}"
+        shutil.copytree(source, url)
+        try:
+            deleted = KilledStore(str(url), moments).collect(keep_bases=1)
+        except KeyboardInterrupt:
+            deleted = None
+        loader = DeltaLoader(str(url))
+        listed = loader.steps()
+        assert listed[-2:] == [13, 14]
+        for step in listed:
+            assert_state(loader.state_dict(step)[1], truth[step])
+        if deleted is not None:
+            assert deleted == list(range(1, 13)) and listed == [13, 14]
+            break
+        moments += 1
+    assert moments == 24  # a marker, then a folder, for each of the 12 steps
+
+
+# ----------------------------------------------------------------------------- any order of calls
+
+STEPS, BASE_EVERY = 12, 4  # bases at 1, 5, 9
+DAMAGED = {3: "payload bit, marker re-signed", 6: "part of another run", 10: "truncated"}
+LOADABLE = {1, 2, 5, 9}  # every other step's chain passes a damaged part
+
+
+@pytest.fixture(scope="module")
+def damaged_chain(tmp_path_factory, other_run) -> tuple[str, dict]:
+    url = str(tmp_path_factory.mktemp("damaged") / "store")
+    truth = published_run(url, STEPS, base_every=BASE_EVERY)
+    for step, damage in DAMAGED.items():
+        DAMAGE[damage](Store(url), step, other_run)
+    return url, truth
+
+
+def test_the_damaged_chain_loads_exactly_where_it_should(damaged_chain):
+    url, truth = damaged_chain
+    for step in range(1, STEPS + 1):
+        loader = DeltaLoader(url)
+        if step in LOADABLE:
+            assert_state(loader.state_dict(step)[1], truth[step])
+        else:
+            with pytest.raises((ChainError, ChecksumError, FormatError)):
+                loader.state_dict(step)
+
+
+class LoaderCalls(RuleBasedStateMachine):
+    """Random sequences of calls on one loader over a damaged chain: every tensor handed out
+    equals the trainer's state for its step, and every failure is a `DeltaError`."""
+
+    url: str
+    truth: dict
+
+    @initialize()
+    def open(self) -> None:
+        self.loader = DeltaLoader(self.url)
+        self.module = None
+
+    def _check(self, step: int | None, call: Callable[[], tuple[int, dict]]) -> None:
+        try:
+            got, state = call()
+        except DeltaError:
+            assert step is None or step not in LOADABLE or step > STEPS
+            return
+        assert got in LOADABLE and (step is None or got == step)
+        assert_state(state, self.truth[got])
+
+    @rule(step=st.integers(0, STEPS + 1))
+    def state_dict(self, step: int) -> None:
+        self._check(step, lambda: self.loader.state_dict(step))
+
+    @rule()
+    def newest(self) -> None:
+        with pytest.raises(DeltaError):  # step 12 does not rebuild (step 10 is damaged)
+            self.loader.state_dict()
+
+    @rule(step=st.sampled_from(sorted(LOADABLE)))
+    def apply_to(self, step: int) -> None:
+        from tinylm import TinyLM
+
+        model = TinyLM()
+        assert self.loader.apply_to(model, step) == step
+        self.module = (step, {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
+
+    @rule(after=st.integers(0, STEPS))
+    def steps(self, after: int) -> None:
+        assert self.loader.steps(after) == list(range(after + 1, STEPS + 1))
+
+    @precondition(lambda self: self.module is not None)
+    @rule()
+    def follow_replays_what_rebuilds(self) -> None:
+        seen = [f.step for f in self.loader.follow(poll_seconds=0.01, jump=False, timeout=0.05)]
+        assert set(seen) <= LOADABLE
+
+    @invariant()
+    def held_steps_are_intact(self) -> None:
+        for (rank, world), state in self.loader._states.items():
+            step = state.header.step
+            assert (rank, world) == (0, 1) and step in LOADABLE
+            got = {n: t for n, t in self.loader.state_dict(step)[1].items()}
+            assert_state(got, self.truth[step])
+
+
+def test_any_sequence_of_calls_hands_out_exact_weights_or_a_delta_error(damaged_chain):
+    url, truth = damaged_chain
+    LoaderCalls.url, LoaderCalls.truth = url, truth
+    runner = LoaderCalls.TestCase
+    runner.settings = settings(
+        max_examples=40,
+        stateful_step_count=12,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
+    runner().runTest()
