@@ -103,9 +103,10 @@ class Store:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def delete(self, keys: Iterable[str]) -> None:
+        """Remove the objects (a folder found under one of the names goes too: it is damage)."""
         paths = [self._path(k) for k in keys]
         if paths:
-            self._fs.rm(paths)
+            self._fs.rm(paths, recursive=True)
 
     def delete_folder(self, key: str) -> None:
         """Everything below `key`, and the folder itself where folders exist."""

@@ -1,0 +1,432 @@
+"""Fuzz every reader of stored bytes and classify what each damaged input did.
+
+    python scripts/fuzz.py codec --cases 1000000 --seed 0   # tensor payloads through codec.decode
+    python scripts/fuzz.py store --trials 10000 --seed 0    # damaged stores through DeltaLoader
+    python scripts/fuzz.py codec --engine atheris           # coverage-guided (pip install atheris)
+
+Each case ends in one of these outcomes:
+
+* refused: a `DeltaError` (the promise);
+* exact: the bytes the trainer held (a mutation the format does not see, say a padding bit);
+* caught: a payload that decodes to other values whose checksum differs (codec target only:
+  the loader refuses it, `test_reliability` shows how);
+* wrong: other values that pass (codec: a checksum collision; store: weights handed out that
+  are not the trainer's) -- must never happen;
+* other: any other exception type -- must never happen;
+* bomb: peak memory over 4x the expected output plus 64 MiB -- must never happen;
+* hang: a case over `--limit` seconds -- must never happen.
+
+Random structured mutation needs nothing beyond the project; the default engine is reproducible
+from `--seed`.  `tests/test_fuzz.py` runs a bounded, seeded slice of both targets in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, Store, codec
+from lightning_delta import format as fmt
+from lightning_delta.checksum import checksum
+
+FAILURES = ("wrong", "other", "bomb", "hang")
+_SLACK = 64 << 20
+
+
+class _Hang(BaseException):
+    """Raised by the alarm in a case that ran past the limit (BaseException: no `except
+    Exception` in the code under test can swallow it)."""
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+@contextlib.contextmanager
+def _watched(limit: float) -> Iterator[dict]:
+    """Peak memory above the start (Linux peak RSS, reset per case) and an alarm at `limit`."""
+    seen: dict = {}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    start = _status("VmRSS")
+
+    def alarm(*_):
+        raise _Hang
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    began = time.perf_counter()
+    try:
+        yield seen
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        seen["seconds"] = time.perf_counter() - began
+        seen["memory"] = _status("VmHWM") - start
+
+
+def _judge(run: Callable[[], str], expected_bytes: int, limit: float) -> tuple[str, str]:
+    """(outcome, detail) of one case."""
+    try:
+        with _watched(limit) as seen:
+            outcome = run()
+    except _Hang:
+        return "hang", f"over {limit} s"
+    except DeltaError:
+        outcome = "refused"
+    except Exception as err:  # the finding: record it, keep fuzzing
+        return "other", "".join(traceback.format_exception(err)[-3:])
+    if seen["memory"] > 4 * expected_bytes + _SLACK:
+        return "bomb", f"{seen['memory'] >> 20} MiB for {expected_bytes} bytes of output"
+    return ("hang", f"{seen['seconds']:.1f} s") if seen["seconds"] > limit else (outcome, "")
+
+
+# ----------------------------------------------------------------------------- codec target
+
+
+def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, bytes]]:
+    """(old, new, payload) seeds: RAW and SPARSE, every compressor, several densities and sizes."""
+    g = torch.Generator().manual_seed(seed)
+    corpus = []
+    for n in (0, 1, 7, 100, 1000, 4096, 5000, 20000):
+        old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        for density in (0.0, 0.01, 0.05, 0.3, 1.0):
+            bits = old.view(torch.int16).clone()
+            hit = torch.rand(n, generator=g) < density
+            step = torch.where(torch.rand(n, generator=g) < 0.85, 1, torch.randint(-300, 300, (n,), generator=g))
+            bits[hit] += step[hit].to(torch.int16)
+            new = bits.view(torch.bfloat16)
+            for compressor in codec.Compressor:
+                options = codec.CodecOptions(compressor)
+                corpus.append((old, new, codec.encode(old, new, options)))
+                if density == 1.0:
+                    corpus.append((None, new, codec.encode(None, new, options)))
+    return corpus
+
+
+def _rle_bomb(total: int, declare: bool) -> bytes:
+    head = bytes([0xE0]) + total.to_bytes(8, "little") if declare else bytes([0x00, 17 << 3])
+    blocks, left = [], total
+    while left:
+        size = min(left, 1 << 17)
+        left -= size
+        blocks.append(((0 if left else 1) | 2 | size << 3).to_bytes(3, "little") + b"\0")
+    return head + b"".join(blocks)
+
+
+def mutate_payload(rng: random.Random, payload: bytes, other: bytes) -> bytes:
+    data = bytearray(payload)
+    kind = rng.randrange(8)
+    if kind == 0 and data:  # a few bit flips
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(data) * 8)
+            data[i // 8] ^= 1 << (i % 8)
+    elif kind == 1:  # truncated
+        del data[rng.randrange(len(data) + 1) :]
+    elif kind == 2:  # extended
+        data += rng.randbytes(rng.randint(1, 64))
+    elif kind == 3:  # spliced with another payload
+        cut = rng.randrange(len(data) + 1)
+        data = data[:cut] + bytearray(other[rng.randrange(len(other) + 1) :])
+    elif kind == 4 and len(data) > 8:  # a header varint or byte set to something large
+        data[rng.randrange(4, min(len(data), 16))] = rng.choice([0x7F, 0xFF, 0x80, 0, rng.randrange(256)])
+    elif kind == 5:  # a section replaced by a zstd frame that lies about its size
+        total = rng.choice([1 << 20, 3 << 29, 1 << 45])
+        frame = _rle_bomb(min(total, 1 << 24), declare=rng.random() < 0.5)
+        if total > 1 << 24:
+            frame = bytes([0xE0]) + total.to_bytes(8, "little") + frame[9:]
+        cut = rng.randrange(min(len(data), 20) + 1)
+        data = data[:cut] + bytearray([1]) + bytearray(codec._varint(len(frame))) + bytearray(frame)
+    elif kind == 6 and data:  # random bytes over a random range
+        start = rng.randrange(len(data))
+        end = min(len(data), start + rng.randint(1, 16))
+        data[start:end] = rng.randbytes(end - start)
+    else:  # a random element count / change count varint spliced in after the header
+        head = bytes(data[:8]) if len(data) >= 8 else bytes(8)
+        counts = b"".join(
+            codec._varint(rng.choice([0, 1, 2**31, 2**40, 2**62, rng.randrange(10**6)])) for _ in range(3)
+        )
+        data = bytearray(head + counts) + data[min(len(data), 11) :]
+    return bytes(data)
+
+
+def _decode_case(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> str:
+    got = codec.decode(old, payload, numel=new.numel())
+    if got.dtype == new.dtype and torch.equal(got.view(torch.int16), new.view(torch.int16)):
+        return "exact"
+    if got.numel() != new.numel() or checksum(got.view(torch.int16)) != checksum(new.view(torch.int16)):
+        return "caught"
+    return "wrong"
+
+
+def fuzz_codec(cases: int, seed: int = 0, limit: float = 30.0, log: Callable[[str], None] | None = None) -> Counter:
+    """Mutate seed payloads `cases` times; returns the count of each outcome."""
+    rng = random.Random(seed)
+    corpus = codec_corpus(seed)
+    counts: Counter = Counter()
+    for case in range(cases):
+        old, new, payload = rng.choice(corpus)
+        mutated = mutate_payload(rng, payload, rng.choice(corpus)[2])
+        outcome, detail = _judge(partial(_decode_case, old, new, mutated), 2 * new.numel(), limit)
+        counts[outcome] += 1
+        if outcome in FAILURES and log:
+            log(f"case {case} (seed {seed}): {outcome}: payload {mutated[:64].hex()}...\n{detail}")
+    return counts
+
+
+def run_atheris(seed: int) -> None:
+    """Coverage-guided fuzzing of `codec.decode` (and the part header parser) with atheris."""
+    import atheris
+
+    corpus = codec_corpus(seed)
+
+    def target(data: bytes) -> None:
+        if not data:
+            return
+        old, new, _ = corpus[data[0] % len(corpus)]
+        try:
+            if data[0] & 0x80:
+                fmt.decode_blob(data[1:])
+            else:
+                _decode_case(old, new, data[1:])
+        except DeltaError:
+            pass
+
+    atheris.Setup([sys.argv[0], *sys.argv[sys.argv.index("--") + 1 :]] if "--" in sys.argv else sys.argv[:1], target)
+    atheris.Fuzz()
+
+
+# ----------------------------------------------------------------------------- store target
+
+_STEPS, _BASE_EVERY = 8, 4
+
+
+def build_chain(url: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """A small published chain and the trainer's state at each step."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "a": (torch.randn(3000, generator=g) * 0.02).to(torch.bfloat16),
+        "b.weight": (torch.randn(40, 70, generator=g) * 0.02).to(torch.bfloat16),
+        "norm": torch.ones(64, dtype=torch.bfloat16),
+    }
+    truth = {}
+    with DeltaPublisher(url, lambda: tensors, base_every=_BASE_EVERY) as publisher:
+        for step in range(1, _STEPS + 1):
+            for t in tensors.values():
+                flat = t.view(-1).view(torch.int16)
+                hit = torch.rand(flat.numel(), generator=g) < 0.03
+                flat[hit] += 1
+            truth[step] = {k: v.clone() for k, v in tensors.items()}
+            publisher.publish(step)
+    return truth
+
+
+def _objects(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _hostile_json(rng: random.Random) -> object:
+    return rng.choice(
+        [
+            10**30,
+            -1,
+            2**63,
+            1e308,
+            "7",
+            [],
+            {},
+            None,
+            True,
+            json.loads("[" * 19 + "1" + "]" * 19),
+            "x" * 300,
+            0.5,
+            2**40 + 1,
+        ]
+    )
+
+
+def damage(rng: random.Random, root: Path, foreign: Path) -> str:
+    """One random act of damage on the store at `root`; returns what it did."""
+    objects = _objects(root)
+    parts = [p for p in objects if p.name.endswith(".ldelta")]
+    target = rng.choice(objects)
+    kind = rng.randrange(10)
+    if kind == 0:  # bit flips in any object
+        data = bytearray(target.read_bytes())
+        for _ in range(rng.randint(1, 4)):
+            if data:
+                i = rng.randrange(len(data) * 8)
+                data[i // 8] ^= 1 << (i % 8)
+        target.write_bytes(bytes(data))
+        return f"flip {target.name}"
+    if kind == 1:  # a payload byte changed and the marker re-signed: only checksums can tell
+        part = rng.choice(parts)
+        data = bytearray(part.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        _resign(part, bytes(data))
+        return f"resigned flip {part.name}"
+    if kind == 2:  # one header field set to a hostile value, marker re-signed
+        part = rng.choice(parts)
+        blob = part.read_bytes()
+        end = fmt.header_end(blob, len(blob))
+        header = json.loads(blob[16:end])
+        node, key = header, rng.choice(sorted(header))
+        if key in ("tensors", "payloads") and header[key] and rng.random() < 0.7:
+            node = rng.choice(header[key])
+            key = rng.choice(sorted(node))
+        node[key] = _hostile_json(rng)
+        text = json.dumps(header).encode()
+        _resign(part, fmt.MAGIC + len(text).to_bytes(8, "little") + text + blob[end:])
+        return f"header {key} of {part.name}"
+    if kind == 3:  # truncated or extended
+        data = target.read_bytes()
+        target.write_bytes(data[: rng.randrange(len(data) + 1)] if rng.random() < 0.5 else data + bytes(1 << 20))
+        return f"resize {target.name}"
+    if kind == 4:  # deleted
+        target.unlink()
+        return f"delete {target.name}"
+    if kind == 5:  # an object replaced by a folder
+        target.unlink()
+        (target / "x").mkdir(parents=True)
+        return f"folder {target.name}"
+    if kind == 6:  # stray names
+        for name in rng.sample(["\u00b2", "5", "0" * 11 + "\uff15", "000000001005", "x.tmp", "000000000"], 3):
+            folder = rng.choice([root / "steps", root / fmt.block_dir(0), target.parent])
+            (folder / name).mkdir(parents=True, exist_ok=True)
+        return "stray names"
+    if kind == 7:  # a part and its marker copied to another step
+        part = rng.choice(parts)
+        step = rng.randint(1, _STEPS)
+        dest = root / fmt.blob_path(step, 0, 1)
+        if dest == part:
+            return "copy onto itself (nothing)"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(part, dest)
+        shutil.copyfile(f"{part}.commit", f"{dest}.commit")
+        return f"copy {part.parent.name} to {step}"
+    if kind == 8:  # a part of another run with the same layout
+        step = rng.randint(1, _STEPS)
+        for suffix in ("", ".commit"):
+            source = foreign / (fmt.blob_path(step, 0, 1) + suffix)
+            dest = root / (fmt.blob_path(step, 0, 1) + suffix)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest)
+        return f"foreign part at {step}"
+    # a hostile JSON object in place of a marker, the manifest or a `latest` pointer
+    victim = rng.choice([p for p in objects if p.suffix in (".commit", ".json")] + [root / "latest"])
+    victim.write_bytes(
+        rng.choice(
+            [b"[" * 100_000, b'{"step": 1000000000000}', b'{"size": 1e400}', json.dumps(_hostile_json(rng)).encode()]
+        )
+    )
+    return f"json {victim.name}"
+
+
+def _resign(part: Path, blob: bytes) -> None:
+    part.write_bytes(blob)
+    Path(f"{part}.commit").write_bytes(fmt.encode_commit(blob))
+
+
+def _load_case(url: str, truth: dict, rng: random.Random) -> str:
+    loader = DeltaLoader(url)
+    outcomes = []
+    steps = loader.steps()
+    for step in [*rng.sample(range(0, _STEPS + 2), 4), None]:
+        try:
+            got, state = loader.state_dict(step)
+        except DeltaError:
+            outcomes.append("refused")
+            continue
+        expected = truth.get(got)
+        exact = (
+            expected is not None
+            and got in steps
+            and state.keys() == expected.keys()
+            and all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
+        )
+        if not exact:
+            return "wrong"
+        outcomes.append("exact")
+    Store(url).collect(keep_bases=1)  # retention over a damaged store: a DeltaError or a clean run
+    return "exact" if "exact" in outcomes else "refused"
+
+
+def fuzz_store(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[str], None] | None = None) -> Counter:
+    """Damage a published chain `trials` times and load from each; returns outcome counts."""
+    rng = random.Random(seed)
+    counts: Counter = Counter()
+    logging.getLogger("lightning_delta").setLevel(logging.ERROR)  # stray names are logged, by design
+    with tempfile.TemporaryDirectory() as tmp:
+        pristine, foreign = Path(tmp, "pristine"), Path(tmp, "foreign")
+        truth = build_chain(str(pristine), seed)
+        build_chain(str(foreign), seed)  # same bytes, another run id
+        expected = sum(t.numel() * 2 for t in truth[1].values())
+        for trial in range(trials):
+            root = Path(tmp, "trial")
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(pristine, root)
+            acts = []
+            for _ in range(rng.randint(1, 3)):
+                try:
+                    acts.append(damage(rng, root, foreign))
+                except (OSError, ValueError, IndexError, DeltaError):  # earlier damage left nothing to act on
+                    acts.append("nothing to damage")
+            outcome, detail = _judge(partial(_load_case, str(root), truth, rng), expected, limit)
+            counts[outcome] += 1
+            if outcome in FAILURES and log:
+                log(f"trial {trial} (seed {seed}): {outcome} after {acts}\n{detail}")
+    return counts
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("target", choices=["codec", "store"])
+    p.add_argument("--cases", type=int, default=100_000, help="codec cases")
+    p.add_argument("--trials", type=int, default=1_000, help="store trials")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=float, default=30.0, help="seconds before a case counts as a hang")
+    p.add_argument("--engine", choices=["random", "atheris"], default="random")
+    args = p.parse_args()
+    logging_sink = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    if args.engine == "atheris":
+        run_atheris(args.seed)
+        return 0
+    if args.target == "codec":
+        counts = fuzz_codec(args.cases, args.seed, args.limit, logging_sink)
+    else:
+        counts = fuzz_store(args.trials, args.seed, args.limit, logging_sink)
+    total = sum(counts.values())
+    print(f"{args.target}: {total} cases, seed {args.seed}, {time.perf_counter() - started:.0f} s")
+    for outcome in ("refused", "exact", "caught", *FAILURES):
+        print(f"  {outcome:8} {counts[outcome]:>10}")
+    return 1 if any(counts[f] for f in FAILURES) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
