@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,12 +23,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import kill_job
 from conftest import assert_state, published_run
 from lightning_delta import (
     ChainError,
     ChecksumError,
     DeltaError,
     DeltaLoader,
+    DeltaPublisher,
     FormatError,
     Store,
     codec,
@@ -378,3 +384,64 @@ def test_any_sequence_of_calls_hands_out_exact_weights_or_a_delta_error(damaged_
         derandomize=True,
     )
     runner().runTest()
+
+
+# ----------------------------------------------------------------------------- real kills
+
+
+def _job(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(Path(__file__).with_name("kill_job.py")), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # waits for the job to reach its work, however slow the machine
+    assert line.strip() == "ready", proc.stderr.read()
+    return proc
+
+
+def _kill_at_random(proc: subprocess.Popen, rng: random.Random, seconds: float) -> None:
+    time.sleep(rng.uniform(0, seconds))  # a random moment of the work: what is asserted holds at any
+    proc.kill()
+    proc.wait()
+
+
+def _assert_listed_steps_exact(url: str) -> list[int]:
+    loader = DeltaLoader(url)
+    listed = loader.steps()
+    truth = kill_job.states(max(listed, default=0))
+    for step in listed:
+        assert_state(loader.state_dict(step)[1], truth[step])
+    return listed
+
+
+@pytest.mark.slow
+def test_publishers_killed_at_random_moments_leave_only_exact_steps_and_resume(tmp_path):
+    """12 kills: a fresh run killed, then its resumption killed, six times."""
+    rng = random.Random(0)
+    for trial in range(6):
+        url = str(tmp_path / f"run-{trial}")
+        _kill_at_random(_job("publish", url, "1"), rng, 1.5)
+        _assert_listed_steps_exact(url)
+        store = Store(url)
+        first = max(store.published_steps(), default=0) + 1  # past whatever the kill left behind
+        _kill_at_random(_job("publish", url, str(first), store.manifest().run_id), rng, 1.5)
+        listed = _assert_listed_steps_exact(url)
+        assert not listed or listed[0] == 1
+
+
+@pytest.mark.slow
+def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(tmp_path):
+    """8 kills in the middle of a gc that deletes 35 steps (each deleting call slowed to 20 ms)."""
+    source = str(tmp_path / "source")
+    tensors = kill_job.initial()
+    with DeltaPublisher(source, lambda: tensors, base_every=kill_job.BASE_EVERY) as publisher:
+        for step in range(1, 41):
+            kill_job.evolve(tensors, step)
+            publisher.publish(step)
+    rng, cut = random.Random(0), []
+    for trial in range(8):
+        url = str(tmp_path / f"gc-{trial}")
+        shutil.copytree(source, url)
+        _kill_at_random(_job("gc", url), rng, 1.2)
+        listed = _assert_listed_steps_exact(url)
+        assert listed[-5:] == [36, 37, 38, 39, 40]
+        cut.append(len(listed))
+    assert len(set(cut)) > 1  # the kills did land at different moments of the collection
