@@ -173,10 +173,12 @@ def mutate_payload(rng: random.Random, payload: bytes, other: bytes) -> bytes:
 
 
 def _decode_case(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> str:
-    got = codec.decode(old, payload, numel=new.numel())
+    got = codec.decode(old, payload, numel=new.numel(), dtype=new.dtype)
     if got.dtype == new.dtype and torch.equal(got.view(torch.int16), new.view(torch.int16)):
         return "exact"
-    if got.numel() != new.numel() or checksum(got.view(torch.int16)) != checksum(new.view(torch.int16)):
+    if (got.numel(), got.dtype) != (new.numel(), new.dtype) or checksum(got.view(torch.int16)) != checksum(
+        new.view(torch.int16)
+    ):
         return "caught"
     return "wrong"
 

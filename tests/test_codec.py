@@ -56,10 +56,10 @@ def test_decode_of_encode_is_bit_identical(pair, options):
     payload = codec.encode(old, new, options)
     assert bitwise_equal(codec.decode(old, payload), new)
     base = codec.encode(None, new, options)
-    assert bitwise_equal(codec.decode(None, base, numel=new.numel()), new)
+    assert bitwise_equal(codec.decode(None, base, numel=new.numel(), dtype=new.dtype), new)
     reused = torch.full_like(new, 3.0)  # a previous step's buffer: every element is overwritten
     assert bitwise_equal(codec.decode(old, payload, out=reused), new)
-    assert bitwise_equal(codec.decode(None, base, numel=new.numel(), out=reused.fill_(3.0)), new)
+    assert bitwise_equal(codec.decode(None, base, numel=new.numel(), dtype=new.dtype, out=reused.fill_(3.0)), new)
 
 
 def test_decode_into_out_refuses_old_itself_and_another_dtype():
@@ -70,8 +70,11 @@ def test_decode_into_out_refuses_old_itself_and_another_dtype():
         codec.decode(old, payload, out=old)
     with pytest.raises(ValueError, match="1000 elements"):
         codec.decode(old, payload, out=torch.empty(999, dtype=torch.bfloat16))
+    base = codec.encode(None, new)
+    with pytest.raises(ValueError, match="bfloat16 tensor of 1000 elements"):
+        codec.decode(None, base, numel=1000, dtype=torch.bfloat16, out=torch.empty(1000, dtype=torch.float16))
     with pytest.raises(FormatError, match=r"expected torch\.float16"):
-        codec.decode(None, codec.encode(None, new), numel=1000, out=torch.empty(1000, dtype=torch.float16))
+        codec.decode(None, base, numel=1000, dtype=torch.float16)
 
 
 @settings(max_examples=100, deadline=None)
@@ -153,8 +156,8 @@ def test_api_refuses_wrong_inputs():
         codec.encode(a, torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="float32"):
         codec.encode(None, torch.zeros(4))
-    with pytest.raises(ValueError, match="numel"):
-        codec.decode(None, codec.encode(None, a))
+    with pytest.raises(ValueError, match="numel` and `dtype"):
+        codec.decode(None, codec.encode(None, a), numel=4)
 
 
 # ----------------------------------------------------------------------------- hostile payloads

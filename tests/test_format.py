@@ -96,6 +96,10 @@ def _reencoded(mutate) -> bytes:
         (lambda d: d["tensors"][0].update(at=2), "next slice"),
         (lambda d: d["tensors"].append({**d["tensors"][0], "name": "v", "dtype": "float16", "at": 6}), "mixes"),
         (lambda d: d["payloads"][0].update(numel=7), "holds 7 elements"),
+        (
+            lambda d: d["payloads"].append({**d["payloads"][0], "offset": 4, "length": 0, "numel": 0, "changed": 0}),
+            "no slice",
+        ),
         (lambda d: d["payloads"][0].update(numel=2**41), "payload entry"),
         (lambda d: d["payloads"][0].update(changed=7), "payload entry"),
         (lambda d: d["payloads"][0].update(checksum="xyz"), "checksum"),

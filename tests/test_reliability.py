@@ -163,7 +163,7 @@ def test_a_zstd_frame_never_sizes_its_own_output(frame):
     """Finding 2: the payload header's element count bounds every section before it is decoded."""
     payload = _raw_payload(1024, [(codec.Compressor.NONE, bytes(1024)), (codec.Compressor.ZSTD, frame)])
     with pytest.raises(FormatError, match="ZSTD section"):
-        codec.decode(None, payload, numel=1024)
+        codec.decode(None, payload, numel=1024, dtype=torch.bfloat16)
 
 
 def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
@@ -172,7 +172,7 @@ def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
     for i in range(len(payload) * 8):
         payload[i // 8] ^= 1 << (i % 8)
         try:
-            out = codec.decode(None, bytes(payload), numel=1024)
+            out = codec.decode(None, bytes(payload), numel=1024, dtype=torch.bfloat16)
         except FormatError:
             pass
         else:  # a flip the format cannot see (a padding bit, a mantissa byte): the checksum does
@@ -180,12 +180,22 @@ def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
         payload[i // 8] ^= 1 << (i % 8)
 
 
+def test_a_payload_never_decodes_to_a_dtype_nobody_asked_for():
+    """Found by scripts/fuzz.py (codec, seed 0, case 623150): a RAW bf16 payload whose dtype byte
+    flipped to float16 decoded to float16 with the same bits, so the same checksum."""
+    new = torch.randn(7).to(torch.bfloat16)
+    payload = bytearray(codec.encode(None, new))
+    payload[7] = 2  # dtype: float16
+    with pytest.raises(FormatError, match=r"float16, expected torch\.bfloat16"):
+        codec.decode(None, bytes(payload), numel=7, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("numel", [2**31, 2**40, 2**40 + 1, 2**62])
 def test_declared_sizes_are_bounded_before_allocation(numel):
     """Finding 3: an lz4 section of 2**31 bytes was an OverflowError, 2**62 elements a MemoryError."""
     payload = _raw_payload(numel, [(codec.Compressor.LZ4, b"\0" * 16), (codec.Compressor.LZ4, b"\0" * 16)])
     with pytest.raises(FormatError):
-        codec.decode(None, payload, numel=numel)
+        codec.decode(None, payload, numel=numel, dtype=torch.bfloat16)
 
 
 def test_an_object_larger_than_its_marker_is_not_read_whole(store_url):

@@ -286,27 +286,35 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
 
 
 def decode_change(
-    old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None, out: Tensor | None = None
+    old: Tensor | None,
+    payload: bytes | memoryview,
+    *,
+    numel: int | None = None,
+    dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
 ) -> Decoded:
-    """Decode a payload against `old` (None for a RAW payload of `numel` elements).
+    """Decode a payload against `old` (None for a RAW payload of `numel` elements of `dtype`).
 
-    `out`, if given, receives the result (a reused buffer saves the page faults of a fresh one);
-    it must not be `old`, which stays untouched either way.  A payload of another dtype than
-    `old` or `out` is a `FormatError`.
+    The caller always states what it expects, `old`'s size and dtype or `numel` and `dtype`: a
+    payload that holds anything else is a `FormatError`, never a tensor of another dtype with
+    the same bits (which its checksum could not tell apart).  `out`, if given, receives the
+    result (a reused buffer saves the page faults of a fresh one); it must not be `old`, which
+    stays untouched either way.
     """
     if old is None:
-        if numel is None:
-            raise ValueError("decoding without `old` needs the expected `numel`")
+        if numel is None or dtype is None:
+            raise ValueError("decoding without `old` needs the expected `numel` and `dtype`")
     else:
         _check_tensor(old)
-        numel = old.numel()
+        if (numel, dtype) != (None, None) and (numel, dtype) != (old.numel(), old.dtype):
+            raise ValueError(f"`old` is {old.dtype} of {old.numel()} elements, not {dtype} of {numel}")
+        numel, dtype = old.numel(), old.dtype
     packed = parse(payload, numel)
     device = old.device if old is not None else (out.device if out is not None else torch.device("cpu"))
-    if out is not None and (out.shape != (numel,) or out.device != device or out is old):
-        raise ValueError(f"out must be a tensor of {numel} elements on {device}, other than `old`")
-    for expected in (old, out):
-        if expected is not None and expected.dtype != packed.dtype:
-            raise FormatError(f"tensor payload is {packed.dtype}, expected {expected.dtype}")
+    if out is not None and (out.shape != (numel,) or out.device != device or out is old or out.dtype != dtype):
+        raise ValueError(f"out must be a {dtype} tensor of {numel} elements on {device}, other than `old`")
+    if packed.dtype != dtype:
+        raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
     if out is None:
         try:
             out = torch.empty(numel, dtype=packed.dtype, device=device)
@@ -358,10 +366,15 @@ def encode(old: Tensor | None, new: Tensor, options: CodecOptions | None = None)
 
 
 def decode(
-    old: Tensor | None, payload: bytes | memoryview, *, numel: int | None = None, out: Tensor | None = None
+    old: Tensor | None,
+    payload: bytes | memoryview,
+    *,
+    numel: int | None = None,
+    dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Inverse of `encode`: `decode(old, encode(old, new))` is bit-identical to `new`."""
-    return decode_change(old, payload, numel=numel, out=out).new
+    return decode_change(old, payload, numel=numel, dtype=dtype, out=out).new
 
 
 # ------------------------------------------------------------------ helpers

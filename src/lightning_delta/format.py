@@ -352,7 +352,7 @@ def decode_manifest(data: bytes) -> RunManifest:
 
 
 def _check_tiling(tensors: tuple[TensorEntry, ...], payloads: tuple[PayloadEntry, ...]) -> None:
-    """Each payload is exactly its slices back to back, in header order, of one dtype."""
+    """Each payload is exactly its slices (at least one) back to back, in header order, of one dtype."""
     filled = [0] * len(payloads)
     dtypes: dict[int, str] = {}
     for entry in tensors:
@@ -363,4 +363,5 @@ def _check_tiling(tensors: tuple[TensorEntry, ...], payloads: tuple[PayloadEntry
         _require(dtypes.setdefault(entry.payload, entry.dtype) == entry.dtype, f"payload {entry.payload} mixes dtypes")
         filled[entry.payload] += entry.numel
     for i, (payload, numel) in enumerate(zip(payloads, filled, strict=True)):
+        _require(i in dtypes, f"payload {i} holds no slice")
         _require(payload.numel == numel, f"payload {i} holds {payload.numel} elements, its slices {numel}")

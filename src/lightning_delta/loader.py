@@ -330,23 +330,21 @@ class DeltaLoader:
             sizes = [p.numel for p in header.payloads]
             if header.tensors != state.header.tensors or sizes != [p.numel for p in state.header.payloads]:
                 raise ChainError(f"{where}: its slices differ from those of its predecessor step {header.prev_step}")
-        dtypes = {t.payload: t.dtype for t in header.tensors}
+        dtypes = {t.payload: fmt.DTYPE_NAMES[t.dtype] for t in header.tensors}  # every payload has slices
         payloads = []
         for i, entry in enumerate(header.payloads):
             data = payload[entry.offset : entry.offset + entry.length]
             old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
             out = spare[i] if i < len(spare) else None
-            if out is not None and out.numel() != entry.numel:
+            if out is not None and (out.numel(), out.dtype) != (entry.numel, dtypes[i]):
                 out = None
-            if out is not None and (i not in dtypes or out.dtype != fmt.DTYPE_NAMES[dtypes[i]]):
-                out = None  # a spare of another dtype would make a valid payload look foreign
             try:
-                decoded = codec.decode_change(old.bits if old else None, data, numel=entry.numel, out=out)
+                decoded = codec.decode_change(
+                    old.bits if old else None, data, numel=entry.numel, dtype=dtypes[i], out=out
+                )
             except FormatError as err:
                 raise FormatError(f"{where}: payload {i}: {err}") from None
             new = decoded.new.to(self.device)
-            if i in dtypes and new.dtype != fmt.DTYPE_NAMES[dtypes[i]]:
-                raise FormatError(f"{where}: payload {i} is {new.dtype}, its slices are {dtypes[i]}")
             change = decoded.change
             if change is not None and change.index.numel() != entry.changed:
                 raise FormatError(
