@@ -198,25 +198,45 @@ def fuzz_codec(cases: int, seed: int = 0, limit: float = 30.0, log: Callable[[st
     return counts
 
 
-def run_atheris(seed: int) -> None:
-    """Coverage-guided fuzzing of `codec.decode` (and the part header parser) with atheris."""
+def run_atheris(seed: int, libfuzzer_args: list[str]) -> None:
+    """Coverage-guided fuzzing of `codec.decode` and the part-blob parser with atheris.
+
+    An input's first byte picks the seed tensor (bit 7 clear) or the blob parser (bit 7 set);
+    the seed corpus is every codec seed payload and a published part.
+    """
     import atheris
 
-    corpus = codec_corpus(seed)
+    corpus = codec_corpus(seed)[:128]
+    seeds = Path(tempfile.mkdtemp(prefix="fuzz-corpus-"))
+    for i, (_, _, payload) in enumerate(corpus):
+        (seeds / f"payload-{i}").write_bytes(bytes([i]) + payload)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_chain(tmp, seed)
+        (seeds / "blob").write_bytes(b"\x80" + Path(tmp, fmt.blob_path(2, 0, 1)).read_bytes())
+
+    for name in [m for m in sys.modules if m.startswith("lightning_delta")]:
+        del sys.modules[name]  # imported again below, with coverage instrumentation (ours only)
+    with atheris.instrument_imports(include=["lightning_delta"]):
+        from lightning_delta import codec as fuzzed_codec
+        from lightning_delta import format as fuzzed_format
+        from lightning_delta.errors import DeltaError as FuzzedError
 
     def target(data: bytes) -> None:
         if not data:
             return
-        old, new, _ = corpus[data[0] % len(corpus)]
         try:
             if data[0] & 0x80:
-                fmt.decode_blob(data[1:])
-            else:
-                _decode_case(old, new, data[1:])
-        except DeltaError:
+                fuzzed_format.decode_blob(data[1:])
+                return
+            old, new, _ = corpus[data[0] % len(corpus)]
+            got = fuzzed_codec.decode(old, data[1:], numel=new.numel(), dtype=new.dtype)
+            bits, truth = got.view(torch.int16), new.view(torch.int16)
+            if not torch.equal(bits, truth) and checksum(bits) == checksum(truth):
+                raise AssertionError("a payload decoded to other values with the same checksum")
+        except FuzzedError:
             pass
 
-    atheris.Setup([sys.argv[0], *sys.argv[sys.argv.index("--") + 1 :]] if "--" in sys.argv else sys.argv[:1], target)
+    atheris.Setup([sys.argv[0], *libfuzzer_args, str(seeds)], target)
     atheris.Fuzz()
 
 
@@ -413,11 +433,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=float, default=30.0, help="seconds before a case counts as a hang")
     p.add_argument("--engine", choices=["random", "atheris"], default="random")
-    args = p.parse_args()
+    ours, _, libfuzzer = " ".join(sys.argv[1:]).partition(" -- ")  # after --: libFuzzer's own flags
+    args = p.parse_args(ours.split())
     logging_sink = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     if args.engine == "atheris":
-        run_atheris(args.seed)
+        run_atheris(args.seed, libfuzzer.split())
         return 0
     if args.target == "codec":
         counts = fuzz_codec(args.cases, args.seed, args.limit, logging_sink)
