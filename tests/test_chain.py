@@ -298,3 +298,9 @@ def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_ur
     loader = DeltaLoader(store_url)
     assert loader.steps() == [1, 2]
     assert_state(loader.state_dict(2)[1], truth[2])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_cuda_loader_without_cuda_fails_at_construction(store_url):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        DeltaLoader(store_url, device="cuda")

@@ -67,6 +67,8 @@ def test_groups_compose_and_typos_fail():
         endpoint = "+store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:9000"
         cfg = compose("train", overrides=["store=s3", endpoint])
         assert cfg.store.storage_options.client_kwargs.endpoint_url == "http://127.0.0.1:9000"
+        with pytest.raises(Exception, match=r"store\.url"):  # no placeholder bucket to write into by mistake
+            OmegaConf.to_object(compose("train", overrides=["store=s3"]))
         generate = compose("generate", overrides=["loader.device=cuda"])
         assert generate.loader.device == "cuda"
         with pytest.raises(Exception, match="base_evry"):

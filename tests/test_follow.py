@@ -208,3 +208,35 @@ def test_retention_never_takes_what_a_live_follower_needs(store_url):
     trainer.publisher.close()
     assert seen == list(range(1, 21))
     assert Store(store_url).published_steps()[0] == 19  # older segments were deleted meanwhile
+
+
+def test_a_follower_on_an_empty_prefix_says_once_what_it_waits_for(store_url, caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
+    trainer = Trainer(store_url)  # claims the prefix, publishes nothing yet
+    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120)
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.extend(f.step for f in until(follower, 2)))
+    reader.start()
+
+    def waiting() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no complete step yet" in r.getMessage()]
+
+    deadline = time.monotonic() + 120
+    while not waiting():  # it polls an empty chain: it must have said so before anything is published
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    trainer.steps(2)
+    reader.join()
+    trainer.publisher.close()
+    assert seen[-1] == 2
+    assert len(waiting()) == 1 and store_url in waiting()[0]
+
+
+def test_a_report_prints_in_one_short_line(store_url):
+    trainer = Trainer(store_url)
+    trainer.publisher.publish(1, probe=torch.zeros(130))
+    trainer.publisher.close()
+    loader = DeltaLoader(store_url)
+    loader.state_dict()
+    text = repr(loader.last_report)
+    assert "<130 log-probs>" in text and len(text) < 200 and "\n" not in text

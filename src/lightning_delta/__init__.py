@@ -1,11 +1,13 @@
 """Lossless bf16 weight deltas from a trainer to a rollout fleet, through any fsspec store.
 
-Importing the package does no work; `DeltaCallback` (and with it `lightning`) is imported on
-first use, so a rollout process that only needs `DeltaLoader` never loads Lightning.
+Importing the package does no work: each class is imported on first use, so a rollout process
+that only needs `DeltaLoader` never loads Lightning, and the `lightning-delta` command answers
+`--help` without importing torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -18,13 +20,13 @@ from .errors import (
     SnapshotNotFoundError,
     UnsupportedStrategyError,
 )
-from .follow import FollowedStep
-from .loader import DeltaLoader, LoadReport
-from .publisher import Backlog, DeltaPublisher
-from .store import Store
 
 if TYPE_CHECKING:
     from .callback import DeltaCallback
+    from .follow import FollowedStep
+    from .loader import DeltaLoader, LoadReport
+    from .publisher import Backlog, DeltaPublisher
+    from .store import Store
 
 __version__ = "0.1.0"
 
@@ -48,9 +50,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DeltaCallback":
-        from .callback import DeltaCallback
+_LAZY = {
+    "Backlog": "publisher",
+    "DeltaCallback": "callback",
+    "DeltaLoader": "loader",
+    "DeltaPublisher": "publisher",
+    "FollowedStep": "follow",
+    "LoadReport": "loader",
+    "Store": "store",
+}
 
-        return DeltaCallback
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,51 +1,64 @@
 """`lightning-delta`: look at, check, export and prune a chain.
 
-    lightning-delta inspect STORE                 # the chain as a table
+    lightning-delta inspect STORE                 # the chain as a table, damaged steps marked
     lightning-delta verify STORE [--step N]       # every link and checksum; exit 0 only if clean
-    lightning-delta materialize STORE --step N OUT.safetensors
+    lightning-delta materialize STORE --step N OUT.safetensors [--force]
     lightning-delta cost STORE --regions 3 [--window W]
-    lightning-delta gc STORE --keep-bases K
+    lightning-delta gc STORE --keep-bases K [--dry-run]
 
-Every command takes `--json`.  Errors print one line and exit 2; `verify` exits 1 when it finds damage.
+Every command takes `--json` and `--storage-options JSON` (fsspec options, e.g. an S3 endpoint;
+`AWS_ENDPOINT_URL` and fsspec's own config files work too).  Errors print one line and exit 2;
+`verify` exits 1 when it finds damage, and a prefix that holds no run is an error, never an empty
+chain.  torch is imported only by the commands that need it, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import DeltaError, SnapshotNotFoundError
-from .format import RUN_MANIFEST, RunManifest
-from .loader import DeltaLoader
-from .store import Store
+
+if TYPE_CHECKING:
+    from .format import RunManifest
+    from .store import Store
 
 __all__ = ["main"]
 
 
-def open_run(url: str) -> tuple[Store, RunManifest]:
-    """The store at `url` and its run manifest; a prefix that holds no run is an error, so a
-    typo in a URL never reads as an empty, healthy chain."""
-    store = Store(url)
+def open_run(args: argparse.Namespace) -> tuple[Store, RunManifest]:
+    """The store named on the command line and its run manifest; a prefix that holds no run is an
+    error, so a typo in a URL never reads as an empty, healthy chain."""
+    from .format import RUN_MANIFEST
+    from .store import Store
+
+    store = Store(args.store, args.storage_options)
     manifest = store.manifest()
     if manifest is None:
-        raise SnapshotNotFoundError(f"no lightning_delta run at {store.url} (no {RUN_MANIFEST})")
+        raise SnapshotNotFoundError(f"no lightning_delta run at {store.url} (no {RUN_MANIFEST} there)")
     return store, manifest
 
 
 def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
-    """One row of `inspect`: what the step's committed parts hold, from their headers alone."""
+    """One row of `inspect`: what the step's committed parts hold, from their headers alone.
+
+    A step whose headers cannot be read is a row marked `damaged`, not the end of the table."""
     if not store.is_complete(step, world):
         committed = {w: len(r) for w, r in store.committed_ranks(step).items()}
         return {"step": step, "complete": False, "committed_ranks": committed}
     headers, size = [], 0
-    for rank in range(world):
-        header, blob_size = store.read_header(step, rank, world)
-        headers.append(header)
-        size += blob_size
+    try:
+        for rank in range(world):
+            header, blob_size = store.read_header(step, rank, world)
+            headers.append(header)
+            size += blob_size
+    except DeltaError as err:
+        return {"step": step, "complete": True, "damaged": f"{type(err).__name__}: {err}"}
     kinds = {h.kind.value for h in headers}
     numel = sum(h.numel for h in headers)
     changed = sum(h.changed for h in headers)
@@ -62,26 +75,34 @@ def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
     }
 
 
+def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    store, manifest = open_run(args)
+    return [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    store, manifest = open_run(args.store)
-    rows = [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
+    rows = _rows(args)
     if args.json:
         return _emit(rows)
     print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
     now = time.time()
     for r in rows:
         if not r["complete"]:
-            print(f"{r['step']:8d} {'-':>6} {'incomplete: ' + str(r['committed_ranks']):>40}")
-            continue
-        print(
-            f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
-            f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
-        )
+            print(f"{r['step']:8d} {'-':>6} incomplete (invisible to loaders): {r['committed_ranks']}")
+        elif "damaged" in r:
+            print(f"{r['step']:8d} {'-':>6} DAMAGED: {r['damaged']}")
+        else:
+            print(
+                f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
+                f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
+            )
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    store, _ = open_run(args.store)
+    from .loader import DeltaLoader
+
+    store, _ = open_run(args)
     loader = DeltaLoader(store)
     complete = loader.steps()
     steps = [args.step] if args.step is not None else complete
@@ -107,9 +128,15 @@ def _verify(args: argparse.Namespace) -> int:
 def _materialize(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    loader = DeltaLoader(open_run(args.store)[0])
+    from .loader import DeltaLoader
+
+    if os.path.exists(args.out) and not args.force:
+        raise FileExistsError(f"{args.out} exists; pass --force to overwrite it")
+    loader = DeltaLoader(open_run(args)[0])
     step, tensors = loader.state_dict(args.step)
-    save_file(tensors, args.out, metadata={"step": str(step), "source": loader.store.url})
+    # "format": "pt" is what transformers' loaders check for; the rest says where it came from.
+    save_file(tensors, args.out, metadata={"format": "pt", "step": str(step), "source": loader.store.url})
+    os.chmod(args.out, 0o644)  # safetensors writes 0600, which other users' inference servers cannot read
     report = {"step": step, "tensors": len(tensors), "out": args.out}
     if args.json:
         return _emit(report)
@@ -118,11 +145,9 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    store, manifest = open_run(args.store)
-    rows = [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
-    rows = [r for r in rows if r["complete"]]
+    rows = [r for r in _rows(args) if r["complete"] and "damaged" not in r]
     if not rows:
-        raise DeltaError(f"no complete step in {store.url}")
+        raise SnapshotNotFoundError(f"no complete, readable step in {args.store}")
     window = rows[-args.window :] if args.window else rows
     w, full = len(window), window[-1]["dense_bytes"]
     shipped = sum(r["bytes"] for r in window)
@@ -136,8 +161,12 @@ def _cost(args: argparse.Namespace) -> int:
         "full_model_bytes": full,
         "full_every_step": {"per_region": w * full, "total": w * full * args.regions},
         "this_chain": {"per_region": shipped, "total": shipped * args.regions},
-        "saved_measured": 1 - shipped / (w * full),
-        "formula": {"f": f, "W": w, "delta": delta, "saved": 1 - (f + (w - f) * delta) / w},
+        # One definition of the saving: bytes this chain stores (and a reader of every step moves)
+        # against the full model every step.  The seed's formula is shown beside it as a share of
+        # full, with its own assumptions (bases as large as the full model, the mean delta).
+        "share_of_full": shipped / (w * full),
+        "saved": 1 - shipped / (w * full),
+        "formula": {"f": f, "W": w, "delta": delta, "share_of_full": (f + (w - f) * delta) / w},
     }
     if args.json:
         return _emit(report)
@@ -145,20 +174,23 @@ def _cost(args: argparse.Namespace) -> int:
     print(f"{'':24}{'per region':>18}{'total':>18}")
     print(f"{'full model every step':24}{w * full:18,d}{w * full * args.regions:18,d}")
     print(f"{'this chain':24}{shipped:18,d}{shipped * args.regions:18,d}")
-    print(f"saved (measured bytes):  {100 * report['saved_measured']:.2f}%")
     print(
-        f"saved (1 - [f + (W - f) * delta] / W, f={f}, W={w}, delta={delta:.4f}, bases as full): "
-        f"{100 * report['formula']['saved']:.2f}%"
+        f"this chain moves {100 * report['share_of_full']:.2f}% of full-every-step: saved {100 * report['saved']:.2f}%"
+    )
+    print(
+        f"seed's formula [f + (W - f) * delta] / W with f={f}, W={w}, measured delta={delta:.4f} "
+        f"(bases counted as full): {100 * report['formula']['share_of_full']:.2f}% of full"
     )
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
-    store, _ = open_run(args.store)
-    deleted = store.collect(args.keep_bases)
+    store, _ = open_run(args)
+    doomed = store.collect(args.keep_bases, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
     if args.json:
-        return _emit({"deleted_steps": deleted})
-    print(f"deleted {len(deleted)} steps" + (f" ({deleted[0]}..{deleted[-1]})" if deleted else ""))
+        return _emit({"deleted_steps" if not args.dry_run else "would_delete_steps": doomed})
+    print(f"{verb} {len(doomed)} steps" + (f" ({doomed[0]}..{doomed[-1]})" if doomed else ""))
     return 0
 
 
@@ -175,14 +207,31 @@ def _age(seconds: float) -> str:
     return f"{max(seconds, 0):.0f}s"
 
 
+def _options(text: str) -> dict[str, Any]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return options
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-delta", description="Look at, check, export and prune a delta chain.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str, run) -> argparse.ArgumentParser:
+    def command(name: str, help: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
         c.add_argument("store", help="fsspec URL or local path of the chain")
         c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.add_argument(
+            "--storage-options",
+            type=_options,
+            default={},
+            metavar="JSON",
+            help='fsspec options, e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'',
+        )
         c.set_defaults(run=run)
         return c
 
@@ -192,11 +241,13 @@ def parser() -> argparse.ArgumentParser:
     mat = command("materialize", "write a step as a safetensors file", _materialize)
     mat.add_argument("--step", type=int, required=True)
     mat.add_argument("out", help="output .safetensors path")
+    mat.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     cost = command("cost", "traffic of this chain vs shipping the full model every step", _cost)
     cost.add_argument("--regions", type=int, required=True, help="rollout regions that each download the chain")
     cost.add_argument("--window", type=int, help="the last W complete steps (default: all)")
     gc = command("gc", "delete steps older than the K newest complete bases", _gc)
     gc.add_argument("--keep-bases", type=int, required=True)
+    gc.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     return p
 
 

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import MISSING
 
 from .codec import CodecOptions, Compressor
 from .format import DTYPE_NAMES
@@ -40,8 +41,9 @@ class DType(str, Enum):
 
 @dataclass
 class StoreConfig:
-    url: str = "runs/demo/store"
-    """fsspec URL or local path of the chain."""
+    url: str = MISSING
+    """fsspec URL or local path of the chain; required (conf/store/local.yaml sets the demo's),
+    so a store chosen without a URL of its own is an error, never a placeholder bucket."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec: endpoint, credentials, retries (prefer the environment for secrets)."""
 

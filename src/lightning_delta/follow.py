@@ -109,10 +109,15 @@ def follow(
         return False
 
     def produce() -> None:
-        last, skipped, idle_since = None, [], time.monotonic()
+        last, skipped, idle_since, said = None, [], time.monotonic(), False
         try:
             while True:
                 newer = loader.steps(after=last)
+                if not newer and last is None and not said:  # a follower started before its trainer
+                    log.warning(
+                        "following %s: no complete step yet, polling every %s s", loader.store.url, poll_seconds
+                    )
+                    said = True
                 newest = (newer[-1] if jump else newer[0]) if newer else _NONE
                 if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
                     newest = _TIMED_OUT

@@ -49,6 +49,13 @@ class LoadReport:
     seconds: float  # fetch, decode and verification
     probe: tuple[float, ...] | None = None  # the trainer's probe log-probs at this step, if published
 
+    def __repr__(self) -> str:  # the probe's values would drown the rest
+        probe = "None" if self.probe is None else f"<{len(self.probe)} log-probs>"
+        return (
+            f"LoadReport(step={self.step}, kind={self.kind.value}, parts_read={self.parts_read}, "
+            f"payload_bytes={self.payload_bytes}, tensors={self.tensors}, seconds={self.seconds:.3f}, probe={probe})"
+        )
+
 
 @dataclass(frozen=True)
 class _Payload:
@@ -91,7 +98,7 @@ class DeltaLoader:
         progress: bool = False,
     ) -> None:
         self.store = as_store(store, storage_options)
-        self.device = torch.device(device)
+        self.device = _usable(torch.device(device))
         self.group = process_group
         self.progress = progress
         self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
@@ -361,6 +368,15 @@ class DeltaLoader:
                 )
             payloads.append(_Payload(new, value))
         return _RankState(header, payloads)
+
+
+def _usable(device: torch.device) -> torch.device:
+    """`device`, if this machine has it: a missing GPU is an error now, not at the first load."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested, but torch sees no CUDA device here (use device='cpu')")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} requested, but torch sees {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def copy_into(

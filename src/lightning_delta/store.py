@@ -264,13 +264,14 @@ class Store:
             self.read_header(step, rank, world_size)[0].kind == fmt.Kind.BASE for rank in range(world_size)
         )
 
-    def collect(self, keep_bases: int) -> list[int]:
+    def collect(self, keep_bases: int, *, dry_run: bool = False) -> list[int]:
         """Delete every step older than the `keep_bases`-th newest complete base step.
 
         Nothing a reader can still rebuild from the kept bases is touched: every part after a
         complete base chains back no further than it.  Steps go newest first, each one's markers
         before anything else, so if the deleter dies at any moment every step that is still
-        complete still rebuilds (what it leads back to is all older).  Returns the deleted steps.
+        complete still rebuilds (what it leads back to is all older).  Returns the deleted steps
+        (with `dry_run`, those it would delete, deleting nothing).
         """
         if keep_bases < 1:
             raise ValueError(f"keep_bases must be >= 1, got {keep_bases}")
@@ -285,7 +286,7 @@ class Store:
                     cutoff = step
                     break
         doomed = [s for s in steps if cutoff is not None and s < cutoff]
-        for step in reversed(doomed):
+        for step in [] if dry_run else reversed(doomed):
             folder = fmt.step_dir(step)
             self.delete(f"{folder}/{n}" for n in self.list(folder) if n.endswith(".commit"))
             self.delete_folder(folder)
