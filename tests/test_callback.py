@@ -176,3 +176,11 @@ def test_a_fresh_run_on_a_used_store_is_refused_before_training(tmp_path):
     with pytest.raises(PublishError, match="belongs to run"):
         trainer(DeltaCallback(store, submodule="model"), max_steps=2).fit(module, data(4))
     assert module.truth == {}  # not a single step trained
+
+
+def test_a_rollout_host_installs_no_trainer_side_packages():
+    from importlib.metadata import requires
+
+    core = {r.split(">")[0].split("=")[0].strip() for r in requires("lightning_delta") if "extra ==" not in r}
+    assert core.isdisjoint({"lightning", "hydra-core", "s3fs", "typing_extensions"}), core
+    assert {"tqdm", "safetensors", "numpy"} <= core  # imported by the loader and the CLI: declared
