@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -253,3 +254,42 @@ def test_a_large_blob_goes_up_as_concurrent_multipart_parts_and_stays_exclusive(
     assert etag.strip('"').endswith("-3")  # three 50 MiB parts: a multipart upload
     with pytest.raises(FileExistsError):  # If-None-Match holds on the multipart completion too
         store.write("big", blob, exclusive=True)
+
+
+FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}}}
+
+
+def test_an_unreachable_endpoint_is_one_line_naming_url_and_endpoint(aws_env, capsys):
+    from lightning_delta import StoreError
+    from lightning_delta.cli import main
+
+    secret = "SECRET-" + uuid.uuid4().hex
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}, "key": "k", "secret": secret, **FAST_FAIL}
+    with pytest.raises(StoreError, match=r"s3://bucket/run \(endpoint http://127\.0\.0\.1:1\): the endpoint is unr"):
+        DeltaPublisher("s3://bucket/run", TinyLM(), storage_options=options)
+    code = main(["inspect", "s3://bucket/run", "--storage-options", json.dumps(options)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "unreachable" in err and secret not in err
+
+
+def test_a_missing_bucket_is_named(s3_endpoint):
+    from lightning_delta import StoreError
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}, **FAST_FAIL}
+    with pytest.raises(StoreError, match="the bucket does not exist"):
+        DeltaPublisher(f"s3://missing-{uuid.uuid4().hex[:8]}/run", TinyLM(), storage_options=options)
+
+
+def test_missing_credentials_are_named(s3_endpoint):
+    code = (
+        "from lightning_delta import Store, StoreError\n"
+        f"store = Store('s3://bucket/run', {{'client_kwargs': {{'endpoint_url': {s3_endpoint!r}}}}})\n"
+        "try:\n    store.manifest()\nexcept StoreError as err:\n    print(err)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # no credentials anywhere, and never ask the instance-metadata address (not loopback) for some
+    env.update(
+        AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "no usable credentials" in proc.stdout and s3_endpoint in proc.stdout, proc.stderr[-2000:]

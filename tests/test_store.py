@@ -3,6 +3,7 @@ endpoint (moto's server on 127.0.0.1, as s3fs's own tests do), plus the 2-rank r
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import fsspec
@@ -160,3 +161,31 @@ def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tm
     with fsspec.filesystem("file").transaction:
         store.commit_part(3, 0, 1, fmt.encode_blob(_header(0, 1), []))
         assert store.is_complete(3, 1)
+
+
+def test_a_request_without_an_answer_is_logged_once(tmp_path, caplog, monkeypatch):
+    import threading
+
+    from lightning_delta import store as store_module
+
+    monkeypatch.setattr(store_module, "SLOW_SECONDS", 0.01)
+    store = Store(str(tmp_path / "store"))
+    store.write("x", b"data")
+    answered, original = threading.Event(), store._fs.cat_file
+
+    def slow_cat_file(*args, **kwargs):
+        assert answered.wait(120)
+        return original(*args, **kwargs)
+
+    store._fs.cat_file = slow_cat_file
+    caplog.set_level("WARNING", logger="lightning_delta.store")
+    reader = threading.Thread(target=lambda: [store.read("x") for _ in range(3)])
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not caplog.records:  # the request hangs until the warning is out
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    answered.set()
+    reader.join()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "no answer from its default endpoint" in messages[0] and "reading x" in messages[0]

@@ -18,6 +18,7 @@ from .errors import (
     ModelMismatchError,
     PublishError,
     SnapshotNotFoundError,
+    StoreError,
     UnsupportedStrategyError,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "PublishError",
     "SnapshotNotFoundError",
     "Store",
+    "StoreError",
     "UnsupportedStrategyError",
     "__version__",
 ]

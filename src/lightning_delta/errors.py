@@ -14,6 +14,7 @@ __all__ = [
     "ModelMismatchError",
     "PublishError",
     "SnapshotNotFoundError",
+    "StoreError",
     "UnsupportedStrategyError",
 ]
 
@@ -32,6 +33,11 @@ class ChecksumError(DeltaError, ValueError):
 
 class ChainError(DeltaError):
     """A delta's link to its predecessor is missing or points at a different snapshot."""
+
+
+class StoreError(DeltaError, OSError):
+    """The store could not be used: no credentials, endpoint unreachable, bucket missing, access
+    denied.  The message names the URL and the endpoint, never a credential."""
 
 
 class SnapshotNotFoundError(DeltaError, LookupError):

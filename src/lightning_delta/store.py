@@ -13,19 +13,21 @@ damaged or hostile store costs at most what the run's own objects would.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import format as fmt
-from .errors import FormatError, SnapshotNotFoundError
+from .errors import DeltaError, FormatError, SnapshotNotFoundError, StoreError
 
 __all__ = ["Store", "as_store"]
 
@@ -44,6 +46,9 @@ class Store:
         # shared one (Lightning saves checkpoints inside `fs.transaction`) would defer our writes.
         options = {"skip_instance_cache": True, **(storage_options or {})}
         self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
+        endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+        self._endpoint = endpoint or "its default endpoint"
+        self._said_slow = False
         self._root = self._root.rstrip("/")
         self._local = isinstance(self._fs, LocalFileSystem)
         self._manifest: fmt.RunManifest | None = None
@@ -62,9 +67,10 @@ class Store:
         a reader never holds more than the bound it expects.
         """
         try:
-            if limit is None:
-                return self._fs.cat_file(self._path(key))
-            data = self._fs.cat_file(self._path(key), start=0, end=limit + 1)
+            with self._request(f"reading {key}"):
+                if limit is None:
+                    return self._fs.cat_file(self._path(key))
+                data = self._fs.cat_file(self._path(key), start=0, end=limit + 1)
         except (IsADirectoryError, NotADirectoryError):
             raise FormatError(f"{self.url}/{key} is a folder, not an object") from None
         if len(data) > limit:
@@ -79,7 +85,11 @@ class Store:
         """
         path = self._path(key)
         if not self._local:
-            self._fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
+            try:
+                with self._request(f"writing {key}"):
+                    self._fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
+            except FileNotFoundError:
+                raise StoreError(f"{self.url} (endpoint {self._endpoint}): the bucket does not exist") from None
             return
         self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         temp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -97,7 +107,8 @@ class Store:
         path = self._path(key)
         self._fs.invalidate_cache(path)  # a follower polls: a cached listing would hide new steps
         try:
-            entries = self._fs.ls(path, detail=False)
+            with self._request(f"listing {key}"):
+                entries = self._fs.ls(path, detail=False)
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -106,11 +117,45 @@ class Store:
         """Remove the objects (a folder found under one of the names goes too: it is damage)."""
         paths = [self._path(k) for k in keys]
         if paths:
-            self._fs.rm(paths, recursive=True)
+            with self._request(f"deleting {len(paths)} objects"):
+                self._fs.rm(paths, recursive=True)
 
     def delete_folder(self, key: str) -> None:
         """Everything below `key`, and the folder itself where folders exist."""
-        self._fs.rm(self._path(key), recursive=True)
+        with self._request(f"deleting {key}"):
+            self._fs.rm(self._path(key), recursive=True)
+
+    @contextlib.contextmanager
+    def _request(self, action: str) -> Iterator[None]:
+        """One request to the store: a failure to reach or use it becomes one `StoreError` line
+        that names the URL, the endpoint and what failed; the protocol's own answers (an object
+        absent, or present where it was created exclusively) pass through.  A request still
+        unanswered after `SLOW_SECONDS` is logged once, so silent retries never look like a hang."""
+        timer = threading.Timer(SLOW_SECONDS, self._slow, args=(action,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, DeltaError):
+            raise
+        except Exception as err:
+            what = _failure(err)
+            if what is None:
+                raise
+            raise StoreError(f"{self.url} (endpoint {self._endpoint}): {what} while {action}") from None
+        finally:
+            timer.cancel()
+
+    def _slow(self, action: str) -> None:
+        if not self._said_slow:
+            self._said_slow = True
+            log.warning(
+                "%s: no answer from %s after %d s while %s; the client keeps retrying",
+                self.url,
+                self._endpoint,
+                SLOW_SECONDS,
+                action,
+            )
 
     # ------------------------------------------------------------------ commit protocol
 
@@ -217,9 +262,11 @@ class Store:
         size = self.read_marker(step, rank, world_size).size
         where = fmt.blob_path(step, rank, world_size)
         try:
-            prefix = self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES)
-            end = fmt.header_end(prefix, size)
-            header = fmt.decode_header(self._fs.cat_file(self._path(where), start=0, end=end))
+            with self._request(f"reading {where}"):
+                prefix = self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES)
+                end = fmt.header_end(prefix, size)
+                head = self._fs.cat_file(self._path(where), start=0, end=end)
+            header = fmt.decode_header(head)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
         except FormatError as err:
@@ -291,6 +338,26 @@ class Store:
             self.delete(f"{folder}/{n}" for n in self.list(folder) if n.endswith(".commit"))
             self.delete_folder(folder)
         return doomed
+
+
+SLOW_SECONDS = 10
+
+
+def _failure(err: Exception) -> str | None:
+    """What went wrong, in a user's words, from the error's class (botocore's, s3fs's, the OS's);
+    None for errors that are not about reaching or using the store."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}:
+        return "no usable credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, or a role)"
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError"}:
+        return "the endpoint is unreachable"
+    if "ConnectionError" in names:  # botocore's and the OS's
+        return "the connection failed"
+    if isinstance(err, PermissionError):
+        return "access denied"
+    if isinstance(err, OSError):
+        return f"the store failed ({type(err).__name__})"
+    return None
 
 
 def as_store(store: str | Store, storage_options: Mapping[str, Any] | None = None) -> Store:
