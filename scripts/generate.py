@@ -7,7 +7,8 @@
 Each step is fetched and verified in the background while the model generates on the previous
 one; the model never sees a step that did not rebuild bit-exactly.  Per step it prints how far
 behind the store it is, what it fetched, how long rebuilding took, the pause of the swap itself,
-and how far its log-probs of the trainer's probe batch are from the trainer's (0: same numbers).
+how far its log-probs of the trainer's probe batch are from the trainer's (0: same numbers), and
+their mean, which moves with the weights every step (at RL learning rates the greedy tokens rarely do).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main(raw: DictConfig) -> None:
     model = tiny_llama(**vars(cfg.model)).to(device=device, dtype=torch.bfloat16).eval()
     prompt = torch.arange(4, device=device).unsqueeze(0)
     probe = probe_batch(cfg.model, cfg.probe_seed).to(device)
-    columns = f"{'step':>5} {'kind':>5} {'behind':>6} {'fetched':>10} {'rebuild':>9} {'swap':>8} {'probe err':>9}"
+    columns = f"{'step':>5} {'kind':>5} {'behind':>6} {'fetched':>10} {'rebuild':>9} {'swap':>8}"
+    columns += f" {'probe err':>9} {'probe logp':>10}"
     print(f"{columns}  generated")
     applied = 0
     for followed in loader.follow(
@@ -61,11 +63,13 @@ def main(raw: DictConfig) -> None:
     ):
         swap = followed.apply_to(model)
         r = followed.report
-        error = f"{followed.probe_error(probe_logprobs(model, probe)):9.2g}" if followed.probe else f"{'-':>9}"
+        logprobs = probe_logprobs(model, probe)
+        error = f"{followed.probe_error(logprobs):9.2g}" if followed.probe else f"{'-':>9}"
         tokens = greedy(model, prompt, cfg.new_tokens, cfg.model.context)
+        # The probe's mean log-prob moves every step: the weights change although greedy tokens rarely do.
         print(
             f"{r.step:5d} {r.kind.value:>5} {followed.behind:6d} {r.payload_bytes / 1024:8.1f}KiB "
-            f"{r.seconds * 1e3:7.1f}ms {swap * 1e3:6.2f}ms {error}  {tokens}"
+            f"{r.seconds * 1e3:7.1f}ms {swap * 1e3:6.2f}ms {error} {float(logprobs.mean()):10.6f}  {tokens}"
         )
         applied += 1
     print(f"applied {applied} steps; every tensor of each rebuilt bit-exactly (checksums and chain links verified)")

@@ -12,8 +12,10 @@ computed from the bf16 weights that ship, which scripts/generate.py recomputes a
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 
 import hydra
 import lightning.pytorch as pl
@@ -28,6 +30,17 @@ from lightning_delta.format import Kind
 from tinylm import probe_batch, probe_logprobs, tiny_llama
 
 register_configs()
+# A demo's output is its own lines: no tips, no device banners, no warnings about Lightning's internals.
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+class EveryTenSteps(pl.Callback):
+    """One line per ten optimizer steps instead of a progress bar (a max_steps run has no epochs)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % 10 == 0:
+            print(f"step {trainer.global_step:4d}/{trainer.max_steps}  loss {float(outputs['loss']):.4f}  published")
 
 
 class PolicyModule(pl.LightningModule):
@@ -59,16 +72,17 @@ def main(raw: DictConfig) -> None:
     store = Store(cfg.store.url, cfg.store.storage_options)
     if store.published_steps():
         raise SystemExit(f"{store.url} already holds a chain; a run needs a prefix of its own (store.url=...)")
-    pl.seed_everything(cfg.seed)
+    pl.seed_everything(cfg.seed, verbose=False)
     tokens = torch.randint(0, cfg.model.vocab, (cfg.steps * cfg.batch_size, cfg.model.context + 1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=cfg.steps,
-        callbacks=[cfg.delta.callback(cfg.store, submodule="policy", probe=PolicyModule.probe)],
+        callbacks=[cfg.delta.callback(cfg.store, submodule="policy", probe=PolicyModule.probe), EveryTenSteps()],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
+        enable_progress_bar=False,
     )
     trainer.fit(PolicyModule(cfg), DataLoader(TensorDataset(tokens), batch_size=cfg.batch_size))
     summarize(store)

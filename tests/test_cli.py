@@ -51,7 +51,18 @@ def test_generate_replays_every_step_with_the_trainers_probe(chain, tmp_path):
     assert [int(r[0]) for r in rows] == list(range(1, 13))
     assert [int(r[2]) for r in rows] == list(range(11, -1, -1))  # behind the newest step
     assert all(float(r[6]) == 0.0 for r in rows)  # same log-probs as the trainer's bf16 weights
+    assert len({r[7] for r in rows}) > 6  # the probe's mean log-prob shows the weights moving
+    assert "Tip" not in proc.stdout + proc.stderr and "it/s" not in proc.stderr
     assert "applied 12 steps" in proc.stdout
+
+
+def test_the_demo_prints_its_own_lines_only(tmp_path):
+    proc = train(tmp_path, f"store.url={tmp_path / 'store'}", "steps=20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    for noise in ("Tip", "LeafSpec", "Epoch", "it/s", "GPU available"):
+        assert noise not in output, noise
+    assert "step   10/20" in proc.stdout and "step   20/20" in proc.stdout and "published 20 steps" in proc.stdout
 
 
 def test_an_unknown_override_key_fails(tmp_path):

@@ -102,8 +102,8 @@ class LoaderConfig:
     """Jump to the newest complete step; False hands out every complete step in order (replay)."""
     timeout: float | None = None
     """Stop following after this many seconds without a new step; None follows forever."""
-    progress: bool = True
-    """Progress bars while a step is fetched from a base."""
+    progress: bool = False
+    """Progress bars while a step is fetched from a base (for large models; a tiny one finishes first)."""
 
 
 @dataclass
