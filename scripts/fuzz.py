@@ -127,6 +127,8 @@ def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, byt
 
 
 def _rle_bomb(total: int, declare: bool) -> bytes:
+    """A magic-less zstd frame of `total` zero bytes in 128 KiB RLE blocks (4 bytes each), with or
+    without a declared content size."""
     head = bytes([0xE0]) + total.to_bytes(8, "little") if declare else bytes([0x00, 17 << 3])
     blocks, left = [], total
     while left:

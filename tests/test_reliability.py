@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kill_job
 from conftest import assert_state, published_run
+from fuzz import _rle_bomb
 from lightning_delta import (
     ChainError,
     ChecksumError,
@@ -139,22 +140,11 @@ def _raw_payload(n: int, sections: list[tuple[codec.Compressor, bytes]]) -> byte
     return b"".join(out)
 
 
-def _rle_frame(total: int, *, declare: bool) -> bytes:
-    """A magic-less zstd frame of `total` zero bytes in 128 KiB RLE blocks (4 bytes each)."""
-    head = bytes([0xE0]) + total.to_bytes(8, "little") if declare else bytes([0x00, (27 - 10) << 3])
-    blocks, left = [], total
-    while left:
-        size = min(left, 1 << 17)
-        left -= size
-        blocks.append(((0 if left else 1) | 2 | size << 3).to_bytes(3, "little") + b"\0")
-    return head + b"".join(blocks)
-
-
 @pytest.mark.parametrize(
     "frame",
     [
-        _rle_frame(3 << 29, declare=True),  # 49 KB that declares and would fill 1.5 GiB
-        _rle_frame(3 << 29, declare=False),  # the same without a declared size
+        _rle_bomb(3 << 29, declare=True),  # 49 KB that declares and would fill 1.5 GiB
+        _rle_bomb(3 << 29, declare=False),  # the same without a declared size
         bytes([0xE0]) + (1 << 45).to_bytes(8, "little") + (1 | 2 | 1 << 3).to_bytes(3, "little") + b"\0",
     ],
     ids=["declared-1.5GiB", "undeclared-1.5GiB", "declared-2**45"],
