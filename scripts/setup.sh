@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs lightning_delta with its test and example extras (about 5 minutes on a
+# Creates .venv and installs lightning_delta with its test and example extras (5 to 10 minutes on a
 # fresh machine, nearly all of it pip fetching Lightning, transformers and moto).  torch is installed
 # first and pinned: an unpinned torch pulled in by another package would download a multi-GB CUDA build.
 set -euo pipefail
