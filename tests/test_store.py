@@ -105,6 +105,8 @@ def test_a_resumed_publisher_continues_its_run_from_a_base(tmp_path):
     with torch.no_grad():
         model.head.weight.add_(1.0)
     with DeltaPublisher(url, model, run_id=first.run_id) as resumed:
+        with pytest.raises(ValueError, match="2 after 2"):  # a step number is never published twice
+            resumed.publish(2)
         resumed.publish(3)
     assert Store(url).read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
     step, state = DeltaLoader(url).state_dict()

@@ -215,7 +215,10 @@ class DeltaPublisher:
         self._layout: tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]] = ((), ())  # of the cache
         self._host: _HostSide | None = None
         self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
-        self._last_step: int | None = None
+        # A resumed run publishes only past what the store holds: a step number is never reused,
+        # not even one that retention deleted (a loader may still hold that step).
+        published = self.store.published_steps() if run_id is not None else []
+        self._last_step: int | None = published[-1] if published else None
         self._last_base: int | None = None
         self.skipped = 0
         self.last_upload: UploadStats | None = None
@@ -243,7 +246,7 @@ class DeltaPublisher:
         if probed is not None and not all(math.isfinite(v) for v in probed):
             raise ValueError("probe values must be finite")
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"steps must increase: {step} after {self._last_step}")
+            raise ValueError(f"steps must increase: {step} after {self._last_step} (published, or in the store)")
         if self.backlog == Backlog.COALESCE and self._jobs.full():
             self.skipped += 1
             return PublishStats(step, False, None, 0, 0, 0.0)
