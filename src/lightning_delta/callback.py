@@ -116,13 +116,9 @@ class DeltaCallback(Callback):
         )
         self._run_id = self.publisher.run_id
         rank_zero_info(f"DeltaCallback: publishing run {self._run_id} to {self.store} (base every {self.base_every})")
-        last = 0
-        if trainer.is_global_zero:
-            steps = self.publisher.store.published_steps()
-            last = steps[-1] if steps else 0
-        # Resuming: steps up to `last` may come from after the checkpoint (a crash); the new
-        # trajectory publishes only past them, starting with a base, so loaders see one chain.
-        self._last_step = max(trainer.strategy.broadcast(last), trainer.global_step)
+        # Resuming: steps up to the store's last may come from after the checkpoint (a crash); the
+        # new trajectory publishes only past them, starting with a base, so loaders see one chain.
+        self._last_step = max(trainer.strategy.broadcast(self.publisher.last_step), trainer.global_step)
 
     @override
     def on_train_batch_end(

@@ -97,8 +97,7 @@ class DeltaTrainerCallback(TrainerCallback):
         )
         self.run_id = self.publisher.run_id
         # A resumed fit publishes only past what the store holds (a crash may have published more).
-        steps = self.publisher.store.published_steps()
-        self._last_step = max(steps[-1] if steps else 0, state.global_step)
+        self._last_step = max(self.publisher.last_step, state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: nn.Module | None = None, **_

@@ -290,6 +290,11 @@ class DeltaPublisher:
         return PublishStats(step, True, kind, changed_total, numel, diff_ms)
 
     @property
+    def last_step(self) -> int:
+        """The newest step this publisher published, or, resuming, the newest in the store; 0 for none."""
+        return self._last_step or 0
+
+    @property
     def pending(self) -> int:
         """Snapshots queued for upload and not yet committed."""
         return self._jobs.unfinished_tasks
