@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import random
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -37,10 +39,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, Store, codec
+from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, Store, codec, records
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
 
@@ -311,19 +314,31 @@ def damage(rng: random.Random, root: Path, foreign: Path) -> str:
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         _resign(part, bytes(data))
         return f"resigned flip {part.name}"
-    if kind == 2:  # one header field set to a hostile value, marker re-signed
+    if kind == 2:  # one header field, payload table entry or manifest field made hostile, re-signed
+        if rng.random() < 0.2:
+            manifest = json.loads((root / fmt.RUN_MANIFEST).read_bytes())
+            node, key = _pick_field(rng, manifest)
+            node[key] = _hostile_json(rng) if rng.random() < 0.5 else _nearby(rng, node[key])
+            (root / fmt.RUN_MANIFEST).write_bytes(json.dumps(manifest).encode())
+            return f"manifest {key}"
         part = rng.choice(parts)
         blob = part.read_bytes()
-        end = fmt.header_end(blob, len(blob))
-        header = json.loads(blob[16:end])
-        node, key = header, rng.choice(sorted(header))
-        if key in ("tensors", "payloads") and header[key] and rng.random() < 0.7:
-            node = rng.choice(header[key])
-            key = rng.choice(sorted(node))
-        node[key] = _hostile_json(rng)
+        size, count = struct.unpack_from("<II", blob, 8)
+        header, table = json.loads(blob[16 : 16 + size]), bytearray(blob[16 + size : 16 + size + 24 * count])
+        if table and rng.random() < 0.4:  # a length, change count or checksum of the binary table
+            at = 8 * rng.randrange(len(table) // 8)
+            value = int.from_bytes(table[at : at + 8], "little")
+            wrong = rng.choice([value + 1, value - 1, 0, 2**63, 2**64 - 1, value * 2]) % 2**64
+            table[at : at + 8] = wrong.to_bytes(8, "little")
+            what = f"table word {at // 8}"
+        else:
+            key = rng.choice(sorted(header))
+            header[key] = _hostile_json(rng) if rng.random() < 0.5 else _nearby(rng, header[key])
+            what = f"header {key}"
         text = json.dumps(header).encode()
-        _resign(part, fmt.MAGIC + len(text).to_bytes(8, "little") + text + blob[end:])
-        return f"header {key} of {part.name}"
+        rest = blob[16 + size + 24 * count :]
+        _resign(part, fmt.MAGIC + struct.pack("<II", len(text), count) + text + bytes(table) + rest)
+        return f"{what} of {part.name}"
     if kind == 3:  # truncated or extended
         data = target.read_bytes()
         target.write_bytes(data[: rng.randrange(len(data) + 1)] if rng.random() < 0.5 else data + bytes(1 << 20))
@@ -368,9 +383,32 @@ def damage(rng: random.Random, root: Path, foreign: Path) -> str:
     return f"json {victim.name}"
 
 
+def _pick_field(rng: random.Random, node: Any) -> tuple[Any, Any]:
+    """A random (container, key) inside a parsed JSON object, leaves preferred."""
+    while True:
+        key = rng.choice(sorted(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        child = node[key]
+        if not isinstance(child, (dict, list)) or not child or rng.random() < 0.2:
+            return node, key
+        node = child
+
+
+def _nearby(rng: random.Random, value: Any) -> Any:
+    """A plausible wrong value: what a bug, not an attacker, would write."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return {"base": "delta", "delta": "base"}.get(value) if isinstance(value, str) else 0
+    return value + rng.choice([-2, -1, 1, 2])
+
+
 def _resign(part: Path, blob: bytes) -> None:
+    """`blob` in place of the part at `part`, its marker re-signed with the marker's own kind and
+    predecessor, so only what is inside the blob can tell."""
+    marker = json.loads(Path(f"{part}.commit").read_bytes())
+    signed = fmt.CommitMarker(
+        len(blob), hashlib.sha256(blob).hexdigest(), fmt.Kind(marker["kind"]), marker["prev_step"]
+    )
     part.write_bytes(blob)
-    Path(f"{part}.commit").write_bytes(fmt.encode_commit(blob))
+    Path(f"{part}.commit").write_bytes(records.dumps(signed))
 
 
 def _load_case(url: str, truth: dict, rng: random.Random) -> str:
@@ -415,7 +453,7 @@ def fuzz_store(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[s
             for _ in range(rng.randint(1, 3)):
                 try:
                     acts.append(damage(rng, root, foreign))
-                except (OSError, ValueError, IndexError, DeltaError):  # earlier damage left nothing to act on
+                except (OSError, ValueError, KeyError, TypeError, IndexError, DeltaError):  # nothing left to act on
                     acts.append("nothing to damage")
             outcome, detail = _judge(partial(_load_case, str(root), truth, rng), expected, limit)
             counts[outcome] += 1

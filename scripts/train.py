@@ -91,7 +91,7 @@ def main(raw: DictConfig) -> None:
 def summarize(store: Store) -> None:
     """One line per kind: how much the chain holds against shipping the full model every step."""
     steps = store.published_steps()
-    headers = [store.read_part(s, 0, 1)[0] for s in steps]
+    headers = [store.read_part(s, 0, 1).header for s in steps]
     dense = 2 * headers[0].numel
     for kind in Kind:
         sizes = [h.payload_bytes for h in headers if h.kind == kind]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -110,3 +111,15 @@ def s3_url(s3_endpoint) -> tuple[str, dict]:
     bucket = f"chain-{uuid.uuid4().hex[:12]}"
     fsspec.filesystem("s3", **options).mkdir(bucket)
     return f"s3://{bucket}/run", options
+
+
+def replace_blob(store, step: int, rank: int, world: int, blob: bytes, *, bridge: bool = False) -> None:
+    """Overwrite a committed part with `blob` and re-sign its marker (same kind and predecessor),
+    as a store that lies consistently would: only what is inside the blob can catch it."""
+    from lightning_delta import format as fmt
+    from lightning_delta import records
+
+    marker = store.read_marker(step, rank, world, bridge=bridge)
+    store.write(fmt.blob_path(step, rank, world, bridge=bridge), blob)
+    signed = fmt.CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), marker.kind, marker.prev_step)
+    store.write(fmt.commit_path(step, rank, world, bridge=bridge), records.dumps(signed))

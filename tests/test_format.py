@@ -4,113 +4,212 @@ import hashlib
 import json
 
 import pytest
+import torch
 
 from lightning_delta import format as fmt
 from lightning_delta import records
 from lightning_delta.errors import ChecksumError, FormatError
 
 
+DIGEST = "ab" * 32
+
+
 def header(**changes) -> fmt.PartHeader:
-    entry = fmt.TensorEntry("w", "bfloat16", (2, 3), 0, 6, 0, 0)
-    payload = fmt.PayloadEntry(0, 4, 6, "00000000000000ff", 6)
     base = dict(
-        run_id="run",
+        manifest=DIGEST,
         step=1,
         prev_step=None,
         kind=fmt.Kind.BASE,
         rank=0,
         world_size=1,
         created=1.5,
-        tensors=(entry,),
-        payloads=(payload,),
+        probe=0,
     )
     return fmt.PartHeader(**{**base, **changes})
 
 
+ENTRY = fmt.PayloadEntry(4, 6, 0xFF)
+
+
+def blob_of(h: fmt.PartHeader, probe: tuple[float, ...] | None = None) -> bytes:
+    return fmt.encode_blob(h, [ENTRY], [b"abcd"], probe)
+
+
+def manifest(**changes) -> fmt.RunManifest:
+    base = dict(
+        run_id="run",
+        world_size=2,
+        created=1.5,
+        tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 3))),
+        ranks=(
+            ((fmt.SliceSpec(1, 0, 4),),),
+            ((fmt.SliceSpec(1, 4, 2), fmt.SliceSpec(0, 0, 3)),),
+        ),
+    )
+    return fmt.RunManifest(**{**base, **changes})
+
+
 def test_blob_round_trip():
-    h = header()
-    blob = fmt.encode_blob(h, [b"abcd"])
-    parsed, payload = fmt.decode_blob(blob)
-    assert parsed == h and bytes(payload) == b"abcd"
+    h = header(probe=2)
+    part = fmt.decode_blob(blob_of(h, (0.5, -1.25)))
+    assert part.header == h and part.entries == (ENTRY,) and part.probe == (0.5, -1.25)
+    assert [bytes(p) for p in part.payloads] == [b"abcd"]
 
 
 GOLDEN_HEADER = (
-    b'{"created":1.5,"format":"lightning_delta/3","kind":"base","payloads":[{"changed":6,'
-    b'"checksum":"00000000000000ff","length":4,"numel":6,"offset":0}],"prev_step":null,"probe":null,'
-    b'"rank":0,"run_id":"run","step":1,"tensors":[{"at":0,"dtype":"bfloat16","name":"w","numel":6,'
-    b'"payload":0,"shape":[2,3],"start":0}],"world_size":1}'
+    b'{"created":1.5,"format":"lightning_delta/4","kind":"base","manifest":"' + DIGEST.encode() + b'",'
+    b'"prev_step":null,"probe":1,"rank":0,"step":1,"world_size":1}'
+)
+GOLDEN_MANIFEST = (
+    b'{"created":1.5,"format":"lightning_delta.run/2","part_format":"lightning_delta/4",'
+    b'"ranks":[[[{"numel":4,"start":0,"tensor":1}]],[[{"numel":2,"start":4,"tensor":1},'
+    b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","tensors":[{"dtype":"bfloat16","name":"b",'
+    b'"shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],"world_size":2}'
 )
 
 
 def test_golden_bytes_pin_the_blob_marker_and_manifest():
     """A change to any of these bytes is a format change: bump the version and FORMAT.md."""
-    blob = fmt.encode_blob(header(), [b"abcd"])
-    assert blob == b"LDELTA\x00\x03" + len(GOLDEN_HEADER).to_bytes(8, "little") + GOLDEN_HEADER + b"abcd"
+    h = header(probe=1)
+    blob = blob_of(h, (-1.5,))
+    prefix = b"LDELTA\x00\x04" + len(GOLDEN_HEADER).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    table = (4).to_bytes(8, "little") + (6).to_bytes(8, "little") + (0xFF).to_bytes(8, "little")
+    probe = b"\x00\x00\xc0\xbf"  # -1.5 as a little-endian float32
+    assert blob == prefix + GOLDEN_HEADER + table + probe + b"abcd"
     digest = hashlib.sha256(blob).hexdigest()
-    marker = f'{{"format":"lightning_delta.commit/1","sha256":"{digest}","size":{len(blob)}}}'
-    assert fmt.encode_commit(blob) == marker.encode()
-    manifest = fmt.RunManifest("run", 2, 1.5)
-    assert fmt.encode_manifest(manifest) == (
-        b'{"created":1.5,"format":"lightning_delta.run/1","part_format":"lightning_delta/3",'
-        b'"run_id":"run","world_size":2}'
+    marker = (
+        f'{{"format":"lightning_delta.commit/2","kind":"base","prev_step":null,"sha256":"{digest}","size":{len(blob)}}}'
     )
-    assert fmt.decode_manifest(fmt.encode_manifest(manifest)) == manifest
+    assert fmt.encode_commit(blob, h) == marker.encode()
+    delta = header(kind=fmt.Kind.DELTA, prev_step=0)
+    assert b'"kind":"delta","prev_step":0,' in fmt.encode_commit(blob, delta)
+    assert fmt.encode_manifest(manifest()) == GOLDEN_MANIFEST
+    run = fmt.decode_manifest(GOLDEN_MANIFEST)
+    assert run.manifest == manifest() and run.sha256 == hashlib.sha256(GOLDEN_MANIFEST).hexdigest()
+    assert run.payloads == (((4, torch.bfloat16),), ((5, torch.bfloat16),))
 
 
-def _reencoded(mutate) -> bytes:
-    blob = fmt.encode_blob(header(), [b"abcd"])
-    size = int.from_bytes(blob[8:16], "little")
+def test_a_delta_parts_fixed_overhead_is_small():
+    """#13's budget: at most 1 KB a part plus 64 bytes a payload, marker included."""
+    for n in (1, 100):
+        h = header(
+            step=999_999_999_999,
+            prev_step=999_999_999_998,
+            kind=fmt.Kind.DELTA,
+            rank=99_998,
+            world_size=99_999,
+            created=1_764_762_000.123456,
+        )
+        blob = fmt.encode_blob(h, [fmt.PayloadEntry(0, 12_345_678, 2**64 - 1)] * n, [b""] * n)
+        marker = fmt.CommitMarker(10**12, "f" * 64, h.kind, h.prev_step)
+        overhead = len(blob) + len(records.dumps(marker))
+        assert overhead <= 1024 + 64 * n, (n, overhead)
+
+
+def _reencoded(mutate, entries: bytes | None = None) -> bytes:
+    blob = blob_of(header())
+    size = int.from_bytes(blob[8:12], "little")
     raw = json.loads(blob[16 : 16 + size])
     mutate(raw)
     text = json.dumps(raw).encode()
-    return blob[:8] + len(text).to_bytes(8, "little") + text + b"abcd"
+    table = blob[16 + size : 16 + size + 24] if entries is None else entries
+    return (
+        blob[:8] + len(text).to_bytes(4, "little") + (len(table) // 24).to_bytes(4, "little") + text + table + b"abcd"
+    )
+
+
+def _entry(length: int, changed: int, checksum: int = 0) -> bytes:
+    return length.to_bytes(8, "little") + changed.to_bytes(8, "little") + checksum.to_bytes(8, "little")
 
 
 @pytest.mark.parametrize(
-    "mutate, message",
+    "mutate, entries, message",
     [
-        (lambda d: d.pop("rank"), "keys"),
-        (lambda d: d.update(extra=1), "keys"),
-        (lambda d: d.update(format="lightning_delta/9"), "understands"),
-        (lambda d: d.update(kind="diff"), "kind"),
-        (lambda d: d.update(step=-1), "step"),
-        (lambda d: d.update(step=10**12), "step"),
-        (lambda d: d.update(step="7"), "step must be int"),
-        (lambda d: d.update(rank=True), "rank must be int"),
-        (lambda d: d.update(rank="0"), "rank must be int"),
-        (lambda d: d.update(world_size=0), "rank 0 of 0"),
-        (lambda d: d.update(run_id="a/b"), "run_id"),
-        (lambda d: d.update(prev_step=0), "base with a prev_step"),
-        (lambda d: d.update(kind="delta"), "prev_step"),
-        (lambda d: d.update(created="now"), "created must be float"),
-        (lambda d: d.update(probe=[1.0, "x"]), r"probe\[1\]"),
-        (lambda d: d["tensors"][0].update(dtype="float32"), "dtype"),
-        (lambda d: d["tensors"][0].update(dtype=[]), "dtype must be str"),
-        (lambda d: d["tensors"][0].update(numel=7), "slice"),
-        (lambda d: d["tensors"][0].update(start=1), "slice"),
-        (lambda d: d["tensors"][0].update(shape=[0, 2**62]), "shape"),
-        (lambda d: d["tensors"][0].update(shape=[0, 2**62, 2**62]), "shape"),
-        (lambda d: d["tensors"][0].update(shape=[2, -3]), "shape"),
-        (lambda d: d["tensors"][0].update(shape=[2**21, 2**20]), "over"),
-        (lambda d: d["tensors"][0].update(payload=1), "next slice"),
-        (lambda d: d["tensors"][0].update(at=2), "next slice"),
-        (lambda d: d["tensors"].append({**d["tensors"][0], "name": "v", "dtype": "float16", "at": 6}), "mixes"),
-        (lambda d: d["payloads"][0].update(numel=7), "holds 7 elements"),
-        (
-            lambda d: d["payloads"].append({**d["payloads"][0], "offset": 4, "length": 0, "numel": 0, "changed": 0}),
-            "no slice",
-        ),
-        (lambda d: d["payloads"][0].update(numel=2**41), "payload entry"),
-        (lambda d: d["payloads"][0].update(changed=7), "payload entry"),
-        (lambda d: d["payloads"][0].update(checksum="xyz"), "checksum"),
-        (lambda d: d["payloads"][0].pop("checksum"), "keys"),
-        (lambda d: d["payloads"][0].update(length=5), "payload area"),
-        (lambda d: d["payloads"][0].update(offset=1), "starts at"),
+        (lambda d: d.pop("rank"), None, "keys"),
+        (lambda d: d.update(extra=1), None, "keys"),
+        (lambda d: d.update(format="lightning_delta/3"), None, "understands"),
+        (lambda d: d.update(kind="diff"), None, "kind"),
+        (lambda d: d.update(step=-1), None, "step"),
+        (lambda d: d.update(step=10**12), None, "step"),
+        (lambda d: d.update(step="7"), None, "step must be int"),
+        (lambda d: d.update(rank=True), None, "rank must be int"),
+        (lambda d: d.update(rank="0"), None, "rank must be int"),
+        (lambda d: d.update(world_size=0), None, "rank 0 of 0"),
+        (lambda d: d.update(manifest="a/b"), None, "manifest"),
+        (lambda d: d.update(manifest=DIGEST.upper()), None, "manifest"),
+        (lambda d: d.update(prev_step=0), None, "base with a prev_step"),
+        (lambda d: d.update(kind="delta"), None, "prev_step"),
+        (lambda d: d.update(kind="delta", prev_step=1), None, "prev_step"),
+        (lambda d: d.update(created="now"), None, "created must be float"),
+        (lambda d: d.update(probe=None), None, "probe must be int"),
+        (lambda d: d.update(probe=-1), None, "probe of -1"),
+        (lambda d: d.update(probe=1), None, "describes"),
+        (lambda d: d.update(probe=2**24 + 1), None, "probe of"),
+        (lambda d: d.update(payloads=[]), None, "keys"),
+        (lambda d: None, _entry(4, 2**41), "changes"),
+        (lambda d: None, _entry(2**45, 6), "payload of"),
+        (lambda d: None, _entry(5, 6), "describes"),
+        (lambda d: None, _entry(4, 6) * 2, "describes"),
+        (lambda d: None, b"", "describes"),
     ],
 )
-def test_strict_header_parsing(mutate, message):
+def test_strict_header_parsing(mutate, entries, message):
     with pytest.raises(FormatError, match=message):
-        fmt.decode_blob(_reencoded(mutate))
+        fmt.decode_blob(_reencoded(mutate, entries))
+
+
+def test_a_probe_that_is_not_finite_is_refused():
+    blob = bytearray(blob_of(header(probe=1), (1.0,)))
+    blob[-8:-4] = b"\x00\x00\xc0\x7f"  # NaN
+    with pytest.raises(FormatError, match="not finite"):
+        fmt.decode_blob(bytes(blob))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(format="lightning_delta.run/1"), "understands"),
+        (dict(part_format="lightning_delta/3"), "parts of format"),
+        (dict(world_size=0), "world_size"),
+        (dict(world_size=3), "layouts of 2 ranks"),
+        (dict(run_id=""), "run_id"),
+        (dict(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("b", "bfloat16", (2, 3)))), "repeats"),
+        (dict(tensors=(fmt.TensorSpec("b", "float32", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 3)))), "dtype"),
+        (dict(tensors=(fmt.TensorSpec("b", "float16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 3)))), "mixes"),
+        (dict(tensors=(fmt.TensorSpec("", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 3)))), "name"),
+        (dict(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 2**62)))), "shape"),
+        (
+            dict(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2**21, 2**20)))),
+            "over",
+        ),
+        (dict(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, -3)))), "shape"),
+        (
+            dict(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 4)))),
+            "cover 6 of 8",
+        ),
+        (
+            dict(
+                tensors=(
+                    fmt.TensorSpec("b", "bfloat16", (3,)),
+                    fmt.TensorSpec("w", "bfloat16", (6,)),
+                    fmt.TensorSpec("x", "bfloat16", (0,)),
+                )
+            ),
+            "no rank holds",
+        ),
+        (dict(ranks=(((fmt.SliceSpec(1, 0, 4),),), ((fmt.SliceSpec(1, 3, 3), fmt.SliceSpec(0, 0, 3)),))), "overlap"),
+        (dict(ranks=(((fmt.SliceSpec(1, 0, 4),),), ((fmt.SliceSpec(1, 4, 3), fmt.SliceSpec(0, 0, 3)),))), "slice"),
+        (dict(ranks=(((fmt.SliceSpec(2, 0, 4),),), ((fmt.SliceSpec(1, 4, 2), fmt.SliceSpec(0, 0, 3)),))), "tensor 2"),
+        (
+            dict(ranks=(((fmt.SliceSpec(1, 0, 4),), ()), ((fmt.SliceSpec(1, 4, 2), fmt.SliceSpec(0, 0, 3)),))),
+            "no slice",
+        ),
+        (dict(ranks=(((fmt.SliceSpec(1, -1, 4),),), ((fmt.SliceSpec(1, 4, 2), fmt.SliceSpec(0, 0, 3)),))), "slice"),
+    ],
+)
+def test_strict_manifest_parsing(changes, message):
+    with pytest.raises(FormatError, match=message):
+        fmt.decode_manifest(fmt.encode_manifest(manifest(**changes)))
 
 
 @pytest.mark.parametrize(
@@ -123,7 +222,12 @@ def test_strict_header_parsing(mutate, message):
         (b'{"size":1e400,"sha256":"0","format":"x"}', "not finite"),
         (b'{"size":NaN,"sha256":"0","format":"x"}', "NaN is not JSON"),
         (b'{"size":1,"size":2,"sha256":"0","format":"x"}', "repeats a key"),
-        (b'{"size":1.0,"sha256":"' + b"0" * 64 + b'","format":"lightning_delta.commit/1"}', "size must be int"),
+        (
+            b'{"size":1.0,"sha256":"'
+            + b"0" * 64
+            + b'","format":"lightning_delta.commit/2","kind":"base","prev_step":null}',
+            "size must be int",
+        ),
         (b"\xff\xfe", "malformed"),
         (b'"[[["', "must hold exactly the keys"),
         (b"{" * 3, "malformed"),
@@ -140,46 +244,48 @@ def test_json_objects_are_capped_before_they_are_parsed():
 
 
 def test_hostile_json_in_a_header_and_a_manifest():
-    deep = b"[" * 50_000 + b"]" * 50_000
-    blob = fmt.MAGIC + len(deep).to_bytes(8, "little") + deep
+    deep = b"[" * 30_000 + b"]" * 30_000
+    blob = fmt.MAGIC + len(deep).to_bytes(4, "little") + bytes(4) + deep
     with pytest.raises(FormatError, match="nests"):
         fmt.decode_blob(blob)
-    for bad in [b'{"created":1e400}', b'{"format":"lightning_delta.run/1","run_id":"r","world_size":"2"}']:
+    for bad in [b'{"created":1e400}', b'{"format":"lightning_delta.run/2","run_id":"r","world_size":"2"}']:
         with pytest.raises(FormatError):
             fmt.decode_manifest(bad)
-    with pytest.raises(FormatError, match="world_size"):
-        fmt.decode_manifest(fmt.encode_manifest(fmt.RunManifest("r", 0, 1.0)))
 
 
 def test_records_write_what_they_read():
-    h = header(probe=(0.5, -1.25), kind=fmt.Kind.DELTA, prev_step=0)
+    h = header(probe=2, kind=fmt.Kind.DELTA, prev_step=0)
     assert records.loads(records.dumps(h), fmt.PartHeader, what="x", max_bytes=1 << 20) == h
+    assert records.loads(records.dumps(manifest()), fmt.RunManifest, what="x", max_bytes=1 << 20) == manifest()
 
 
 def test_foreign_and_truncated_objects():
     with pytest.raises(FormatError, match="magic"):
         fmt.decode_blob(b"PK\x03\x04" + b"\0" * 40)
-    with pytest.raises(FormatError, match="magic"):  # a format 2 part
-        fmt.decode_blob(b"LDELTA\x00\x02" + fmt.encode_blob(header(), [b"abcd"])[8:])
+    with pytest.raises(FormatError, match="magic"):  # a format 3 part
+        fmt.decode_blob(b"LDELTA\x00\x03" + blob_of(header())[8:])
     with pytest.raises(FormatError, match="truncated"):
         fmt.decode_blob(b"LDELTA")
-    blob = fmt.encode_blob(header(), [b"abcd"])
+    blob = blob_of(header())
     with pytest.raises(FormatError, match="does not fit"):
         fmt.decode_blob(blob[:20])
-    huge = blob[:8] + (fmt.MAX_HEADER_BYTES + 1).to_bytes(8, "little") + blob[16:]
-    with pytest.raises(FormatError, match="does not fit"):
-        fmt.decode_blob(huge)
+    for size, count in [(fmt.MAX_HEADER_BYTES + 1, 1), (100, fmt.MAX_PAYLOADS + 1)]:
+        huge = blob[:8] + size.to_bytes(4, "little") + count.to_bytes(4, "little") + blob[16:]
+        with pytest.raises(FormatError, match="over the bounds"):
+            fmt.decode_blob(huge)
 
 
 def test_commit_marker_round_trip_and_verification():
     blob = b"some blob"
-    marker = fmt.decode_commit(fmt.encode_commit(blob))
+    marker = fmt.decode_commit(fmt.encode_commit(blob, header()))
+    assert (marker.kind, marker.prev_step) == (fmt.Kind.BASE, None)
     fmt.verify_blob(blob, marker, "x")
     with pytest.raises(ChecksumError):
         fmt.verify_blob(b"some blub", marker, "x")
     with pytest.raises(FormatError, match="truncated"):
         fmt.verify_blob(blob[:-1], marker, "x")
-    for bad in [b"{", b"[]", b'{"format":"lightning_delta.commit/1","size":-1,"sha256":"00"}']:
+    wrong_kind = fmt.encode_commit(blob, header()).replace(b'"kind":"base"', b'"kind":"delta"')
+    for bad in [b"{", b"[]", b'{"format":"lightning_delta.commit/2","size":-1,"sha256":"00"}', wrong_kind]:
         with pytest.raises(FormatError):
             fmt.decode_commit(bad)
 
@@ -187,7 +293,12 @@ def test_commit_marker_round_trip_and_verification():
 def test_names():
     assert fmt.commit_path(7, 1, 2) == "steps/000000000/000000000007/rank-00001-of-00002.ldelta.commit"
     assert fmt.step_dir(123456) == "steps/000000123/000000123456"
-    assert fmt.parse_part_name("rank-00001-of-00002.ldelta.commit") == (1, 2)
+    assert (
+        fmt.commit_path(7, 1, 2, bridge=True) == "steps/000000000/000000000007/rank-00001-of-00002.bridge.ldelta.commit"
+    )
+    assert fmt.parse_part_name("rank-00001-of-00002.ldelta.commit") == (1, 2, False)
+    assert fmt.parse_part_name("rank-00001-of-00002.bridge.ldelta.commit") == (1, 2, True)
+    assert fmt.parse_part_name("rank-00001-of-00002.base.ldelta.commit") is None
     assert fmt.parse_part_name("rank-00002-of-00002.ldelta.commit") is None
     assert fmt.parse_part_name("rank-00001-of-00002.ldelta") is None
     assert fmt.parse_block_name("000000001") == 1

@@ -42,24 +42,35 @@ class TestStoreConformance:
         assert store.list("steps/000000000404") == []
 
     def test_a_step_is_visible_only_when_every_rank_committed(self, store):
-        store.write(fmt.blob_path(3, 1, 2), fmt.encode_blob(_header(1, 2), []))  # crashed before its marker
-        store.commit_part(3, 0, 2, fmt.encode_blob(_header(0, 2), []))
+        store.write(fmt.blob_path(3, 1, 2), _blob(_header(1, 2)))  # crashed before its marker
+        store.commit_part(_header(0, 2), _blob(_header(0, 2)))
+        store.commit_part(_delta(1, 2), _blob(_delta(1, 2)), bridge=True)  # a bridge does not complete a step
         assert store.committed_ranks(3) == {2: {0}} and not store.is_complete(3, 2)
         for rank in (0, 1):
-            store.commit_part(4, rank, 2, fmt.encode_blob(_header(rank, 2, step=4), []))
+            store.commit_part(_header(rank, 2, step=4), _blob(_header(rank, 2, step=4)))
         assert store.is_complete(4, 2) and not store.is_complete(4, 1)
 
     def test_a_committed_part_is_never_overwritten(self, store):
-        blob = fmt.encode_blob(_header(0, 1), [])
-        store.commit_part(3, 0, 1, blob)
+        blob = _blob(_header(0, 1))
+        store.commit_part(_header(0, 1), blob)
         with pytest.raises(FileExistsError):
-            store.commit_part(3, 0, 1, blob)
+            store.commit_part(_header(0, 1), blob)
 
-    def test_headers_are_read_without_the_payload(self, store):
+    def test_heads_and_markers_are_read_without_the_payload(self, store):
         header = _header(0, 1)
-        store.commit_part(3, 0, 1, fmt.encode_blob(header, []))
-        got, size = store.read_header(3, 0, 1)
-        assert got == header and size == len(fmt.encode_blob(header, []))
+        store.commit_part(header, _blob(header, payload=b"x" * 10_000))
+        store.commit_part(_delta(0, 1), _blob(_delta(0, 1)), bridge=True)
+        before = store.bytes_read
+        head = store.read_head(3, 0, 1)
+        assert head.header == header and head.entries == (fmt.PayloadEntry(10_000, 10_000, 7),)
+        assert store.bytes_read - before < 1000
+        refs = store.part_refs(3, 0, 1)
+        assert [(r.kind, r.prev_step, r.bridge) for r in refs] == [
+            (fmt.Kind.BASE, None, False),
+            (fmt.Kind.DELTA, 2, True),
+        ]
+        assert refs[0].size == len(_blob(header, payload=b"x" * 10_000))
+        assert store.read_part(3, 0, 1, bridge=True).header == _delta(0, 1)
 
     def test_publish_and_load_end_to_end(self, store):
         torch.manual_seed(0)
@@ -83,7 +94,15 @@ class TestStoreConformance:
 
 
 def _header(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
-    return fmt.PartHeader("r", step, None, fmt.Kind.BASE, rank, world, 0.0)
+    return fmt.PartHeader("0" * 64, step, None, fmt.Kind.BASE, rank, world, 0.0, 0)
+
+
+def _delta(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
+    return fmt.PartHeader("0" * 64, step, step - 1, fmt.Kind.DELTA, rank, world, 0.0, 0)
+
+
+def _blob(header: fmt.PartHeader, payload: bytes = b"") -> bytes:
+    return fmt.encode_blob(header, [fmt.PayloadEntry(len(payload), len(payload), 7)], [payload])
 
 
 def test_a_second_run_on_a_used_prefix_is_refused_before_it_publishes(tmp_path):
@@ -108,16 +127,26 @@ def test_a_resumed_publisher_continues_its_run_from_a_base(tmp_path):
         with pytest.raises(ValueError, match="2 after 2"):  # a step number is never published twice
             resumed.publish(2)
         resumed.publish(3)
-    assert Store(url).read_part(3, 0, 1)[0].kind == fmt.Kind.BASE
+    assert Store(url).read_part(3, 0, 1).header.kind == fmt.Kind.BASE
     step, state = DeltaLoader(url).state_dict()
     assert step == 3 and bitwise_equal(state["head.weight"], model.head.weight.detach().to(torch.bfloat16))
 
 
 def test_a_resumed_publisher_must_have_the_runs_world_size(tmp_path):
     url = str(tmp_path / "store")
-    Store(url).claim("two-ranks", 2)
+    tensors = (fmt.TensorSpec("w", "bfloat16", (2,)),)
+    ranks = (((fmt.SliceSpec(0, 0, 1),),), ((fmt.SliceSpec(0, 1, 1),),))
+    Store(url).claim(fmt.RunManifest("two-ranks", 2, 0.0, tensors, ranks))
     with pytest.raises(PublishError, match="has 2 ranks, this publisher 1"):
         DeltaPublisher(url, TinyLM(), run_id="two-ranks")
+
+
+def test_a_resumed_publisher_must_have_the_runs_layout(tmp_path):
+    url = str(tmp_path / "store")
+    with DeltaPublisher(url, TinyLM(dim=32)) as first:
+        first.publish(1)
+    with pytest.raises(PublishError, match="another layout"):
+        DeltaPublisher(url, TinyLM(dim=16), run_id=first.run_id)
 
 
 @pytest.mark.slow
@@ -148,10 +177,10 @@ def test_fsdp2_run_publishes_to_s3_bit_exactly(s3_url, tmp_path):
 
 def test_a_part_copied_to_another_step_is_refused_by_both_readers(tmp_path):
     store = Store(str(tmp_path / "store"))
-    blob = fmt.encode_blob(_header(0, 1), [])
-    store.commit_part(3, 0, 1, blob)
-    store.commit_part(4, 0, 1, blob)  # step 3's part, stored as step 4
-    for read in (store.read_part, store.read_header):
+    blob = _blob(_header(0, 1))
+    store.commit_part(_header(0, 1), blob)
+    store.commit_part(_header(0, 1, step=4), blob)  # step 3's part, stored as step 4
+    for read in (store.read_part, store.read_head):
         with pytest.raises(FormatError, match="holds step 3"):
             read(4, 0, 1)
 
@@ -161,7 +190,7 @@ def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tm
     upload thread must keep committing meanwhile (it used to fail with FileNotFoundError)."""
     store = Store(str(tmp_path / "store"))
     with fsspec.filesystem("file").transaction:
-        store.commit_part(3, 0, 1, fmt.encode_blob(_header(0, 1), []))
+        store.commit_part(_header(0, 1), _blob(_header(0, 1)))
         assert store.is_complete(3, 1)
 
 

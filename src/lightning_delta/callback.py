@@ -159,8 +159,8 @@ class DeltaCallback(Callback):
             metrics.update(
                 {
                     "delta/last_published_step": float(upload.step),
-                    "delta/payload_bytes": float(upload.payload_bytes),
-                    "delta/compression_ratio": upload.dense_bytes / max(upload.payload_bytes, 1),
+                    "delta/stored_bytes": float(upload.stored_bytes),
+                    "delta/compression_ratio": upload.dense_bytes / max(upload.stored_bytes, 1),
                     "delta/upload_ms": upload.upload_ms,
                 }
             )

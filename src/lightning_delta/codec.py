@@ -95,10 +95,15 @@ class CodecOptions:
     level: int = 1
     """zstd level (1-22); ignored by lz4 and none.  Level 1 measured both faster and smaller than
     3 on these streams (docs/BENCHMARKS.md)."""
+    threads: int = 4
+    """Payloads a publisher compresses at once (zstd and lz4 release the GIL): a base of many
+    payloads is spread over this many host cores instead of one."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.level <= 22:
             raise ValueError(f"compression level must be in 1..22, got {self.level}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
 """The wire format of a run and of one rank's part of a snapshot, and where they live in a store.
 
-A run is one manifest, `run.json`, created exclusively by the first publish: the prefix belongs to
-that run, and a reader refuses parts of any other.  A part is two objects (docs/FORMAT.md has the
-byte-level rules):
+A run is one manifest, `run.json`, created exclusively before the first part: the prefix belongs
+to that run, and the manifest holds the run's layout (every tensor, and which slices each rank's
+payloads hold), so that a part is only a few hundred bytes of header around its payloads.  A part
+is two objects (docs/FORMAT.md has the byte-level rules):
 
-* the blob `steps/<step // 1000:09d>/<step:012d>/rank-<r:05d>-of-<w:05d>.ldelta`:
-  8-byte magic, u64 little-endian header length, a UTF-8 JSON header, then the tensor payloads
-  back to back, exactly as the header's offsets say (no holes, nothing after);
-* the commit marker `<same name>.commit`: JSON with the blob's size and SHA-256, written only
-  after the blob, so its presence means the part is complete.
+* the blob `steps/<step // 1000:09d>/<step:012d>/rank-<r:05d>-of-<w:05d>.ldelta`: 8-byte magic,
+  the header's length and payload count, a UTF-8 JSON header, a binary table of the payloads
+  (length, changed elements, checksum), the probe as fp32, then the payloads;
+* the commit marker `<same name>.commit`: JSON with the blob's size, SHA-256, kind and
+  predecessor, written only after the blob, so its presence means the part is complete and a
+  reader can plan which parts to fetch from markers alone.
+
+At a base step after a rank's first, the rank also writes a *bridge*, `rank-...bridge.ldelta`: a
+delta against its previous part, so a reader that holds that part never downloads the base.
 
 Every JSON object goes through `records.loads`, so unknown or missing keys, wrong types and
 out-of-range numbers are all `FormatError`: a reader refuses foreign objects rather than guess.
@@ -18,22 +23,27 @@ Every size a reader allocates for is bounded here, before anything is allocated.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import records
-from .checksum import parse_checksum
 from .errors import ChecksumError, FormatError
 
 __all__ = [
     "MAX_ELEMENTS",
     "MAX_HEADER_BYTES",
-    "MAX_MARKER_BYTES",
     "MAX_MANIFEST_BYTES",
+    "MAX_MARKER_BYTES",
+    "MAX_PAYLOADS",
+    "MAX_PROBE",
     "MAX_STEP",
     "MAX_WORLD_SIZE",
     "PART_FORMAT",
@@ -41,22 +51,27 @@ __all__ = [
     "RUN_MANIFEST",
     "CommitMarker",
     "Kind",
+    "Head",
+    "Part",
     "PartHeader",
+    "PartName",
     "PayloadEntry",
+    "Run",
     "RunManifest",
-    "TensorEntry",
+    "SliceSpec",
+    "TensorSpec",
     "blob_path",
     "block_dir",
     "check_run_id",
     "commit_path",
     "decode_blob",
     "decode_commit",
-    "decode_header",
+    "decode_head",
     "decode_manifest",
     "encode_blob",
     "encode_commit",
     "encode_manifest",
-    "header_end",
+    "head_end",
     "parse_block_name",
     "parse_part_name",
     "parse_step_name",
@@ -64,26 +79,32 @@ __all__ = [
     "verify_blob",
 ]
 
-MAGIC = b"LDELTA\x00\x03"
-PART_FORMAT = "lightning_delta/3"
-COMMIT_FORMAT = "lightning_delta.commit/1"
-RUN_FORMAT = "lightning_delta.run/1"
+MAGIC = b"LDELTA\x00\x04"
+PART_FORMAT = "lightning_delta/4"
+COMMIT_FORMAT = "lightning_delta.commit/2"
+RUN_FORMAT = "lightning_delta.run/2"
 RUN_MANIFEST = "run.json"
 
-MAX_HEADER_BYTES = 256 << 20
-"""A header past this is refused before it is read: ~1M tensors a rank is far beyond real models."""
+MAX_HEADER_BYTES = 64 << 10
+"""A part's JSON header is ~250 bytes; its payloads are listed in the binary table after it."""
+MAX_PAYLOADS = 1 << 20
+"""Payloads of one part (24 bytes each in its table): a rank's slices come in far fewer."""
 MAX_MARKER_BYTES = 4096
-MAX_MANIFEST_BYTES = 64 << 10
+MAX_MANIFEST_BYTES = 256 << 20
+"""The layout of every rank: ~40 bytes a slice, so a 1,000-tensor model on 4,096 ranks fits."""
 MAX_ELEMENTS = 1 << 40
 """Elements of one tensor, one payload and one part.  The checksum keys element i as i * 2**16 in an
 int64, so positions must stay below 2**47; 2**40 (2 TiB of bf16 in one rank's part) leaves room."""
 MAX_OBJECT_BYTES = 1 << 44
 """A blob's size in its marker: a part of MAX_ELEMENTS elements stored whole is 2**41 bytes."""
+MAX_PROBE = 1 << 24
+"""Probe log-probs in one part: a fixed probe batch is thousands of values, not millions."""
 MAX_STEP = 10**12 - 1  # step folders have 12 digits
 MAX_WORLD_SIZE = 99_999  # part names have 5 digits for rank and world size
 
-_PREFIX = struct.Struct("<8sQ")
-_PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.ldelta\.commit")  # ASCII digits: \d takes fullwidth ones
+_PREFIX = struct.Struct("<8sII")  # magic, JSON header bytes, payloads
+_ENTRY = struct.Struct("<QQQ")  # a payload's length, changed elements, checksum
+_PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})(\.bridge)?\.ldelta\.commit")  # \d takes fullwidth digits
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,133 +115,210 @@ class Kind(str, Enum):
     DELTA = "delta"  # changes against the same rank's part at `prev_step`
 
 
+# ----------------------------------------------------------------------------- the run
+
+
 @dataclass(frozen=True)
-class TensorEntry:
-    """One rank's slice of one tensor: a range of its row-major flattened elements."""
+class TensorSpec:
+    """One tensor of the model as the trainer ships it."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    start: int
-    numel: int
-    payload: int  # index into the header's payloads
-    at: int  # where the slice's elements begin in that payload's decoded elements
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     def check(self) -> None:
+        _require(0 < len(self.name) <= 1024, f"tensor name of {len(self.name)} characters")
         _require(self.dtype in DTYPE_NAMES, f"tensor {self.name!r}: dtype {self.dtype!r}")
         size = 1
         for dim in self.shape:  # each factor bounded, so the product never grows past the bound
             _require(0 <= dim <= MAX_ELEMENTS, f"tensor {self.name!r}: shape {self.shape}")
             size *= dim
             _require(size <= MAX_ELEMENTS, f"tensor {self.name!r}: shape {self.shape} over {MAX_ELEMENTS} elements")
-        _require(
-            min(self.start, self.numel, self.payload, self.at) >= 0 and self.start + self.numel <= size,
-            f"tensor {self.name!r}: slice [{self.start}, +{self.numel}) of shape {self.shape}",
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """Elements `[start, start + numel)` of tensor number `tensor`, row-major flattened."""
+
+    tensor: int
+    start: int
+    numel: int
+
+
+Layout = tuple[tuple[SliceSpec, ...], ...]
+"""One rank's payloads, each the slices whose elements it holds back to back."""
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """`run.json`: which run owns the prefix, and what every rank's parts hold.
+
+    Created exclusively, never rewritten; every part names its SHA-256.
+    """
+
+    run_id: str
+    world_size: int
+    created: float  # unix seconds, informational
+    tensors: tuple[TensorSpec, ...]
+    ranks: tuple[Layout, ...]  # per rank
+    part_format: str = PART_FORMAT
+    format: str = RUN_FORMAT
+
+    def check(self) -> None:
+        """Section 3's rules: every tensor is tiled exactly by the slices of all ranks."""
+        _require(self.format == RUN_FORMAT, f"format {self.format!r}; this reader understands {RUN_FORMAT!r}")
+        _require(self.part_format == PART_FORMAT, f"parts of format {self.part_format!r}, not {PART_FORMAT!r}")
+        _require(bool(_RUN_ID.fullmatch(self.run_id)), f"run_id {self.run_id[:40]!r}")
+        _require(1 <= self.world_size <= MAX_WORLD_SIZE, f"world_size {self.world_size}")
+        _require(len(self.ranks) == self.world_size, f"layouts of {len(self.ranks)} ranks for {self.world_size}")
+        for spec in self.tensors:
+            spec.check()
+        _require(len({t.name for t in self.tensors}) == len(self.tensors), "a tensor name repeats")
+        pieces: list[list[tuple[int, int]]] = [[] for _ in self.tensors]
+        for rank, layout in enumerate(self.ranks):
+            total = 0
+            for i, payload in enumerate(layout):
+                _require(len(payload) > 0, f"rank {rank} payload {i} holds no slice")
+                dtypes = set()
+                for s in payload:
+                    _require(0 <= s.tensor < len(self.tensors), f"rank {rank} payload {i}: tensor {s.tensor}")
+                    spec = self.tensors[s.tensor]
+                    _require(
+                        s.start >= 0 and s.numel >= 0 and s.start + s.numel <= spec.numel,
+                        f"rank {rank}: slice [{s.start}, +{s.numel}) of {spec.name!r} {spec.shape}",
+                    )
+                    dtypes.add(spec.dtype)
+                    pieces[s.tensor].append((s.start, s.numel))
+                    total += s.numel
+                _require(len(dtypes) == 1, f"rank {rank} payload {i} mixes dtypes")
+            _require(total <= MAX_ELEMENTS, f"rank {rank} holds {total} elements, over {MAX_ELEMENTS}")
+        for spec, found in zip(self.tensors, pieces, strict=True):
+            _require(bool(found), f"no rank holds tensor {spec.name!r}")
+            end = 0
+            for start, numel in sorted(p for p in found if p[1]):
+                _require(start == end, f"{spec.name!r}: slices leave a gap or overlap at element {end}")
+                end += numel
+            _require(end == spec.numel, f"{spec.name!r}: slices cover {end} of {spec.numel} elements")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run manifest with its digest and what readers derive from it once."""
+
+    manifest: RunManifest
+    sha256: str  # of `run.json`'s bytes: every part names it
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    @cached_property
+    def payloads(self) -> tuple[tuple[tuple[int, torch.dtype], ...], ...]:
+        """Per rank, per payload: (elements, dtype)."""
+        tensors = self.manifest.tensors
+        return tuple(
+            tuple((sum(s.numel for s in p), DTYPE_NAMES[tensors[p[0].tensor].dtype]) for p in layout)
+            for layout in self.manifest.ranks
         )
+
+    def numel(self, rank: int) -> int:
+        return sum(n for n, _ in self.payloads[rank])
+
+
+# ----------------------------------------------------------------------------- parts
 
 
 @dataclass(frozen=True)
 class PayloadEntry:
-    """One codec payload: the concatenated elements of the slices that point to it, in order.
+    """One codec payload: what it takes in the blob and what it decodes to (checked)."""
 
-    Small slices share one payload, so a step costs a few codec calls, not one per norm weight.
-    """
-
-    offset: int  # relative to the end of the header
-    length: int  # bytes
-    numel: int  # elements, the sum of its slices'
-    checksum: str  # `checksum.checksum` of its reconstructed elements, 16 hex digits
+    length: int  # bytes; payloads follow the probe back to back, in layout order
     changed: int  # elements changed since the previous part (all of them in a base)
+    checksum: int  # `checksum.checksum` of its reconstructed elements, as u64
 
     def check(self) -> None:
-        _require(
-            min(self.offset, self.length, self.changed) >= 0
-            and self.length <= MAX_OBJECT_BYTES
-            and 0 <= self.numel <= MAX_ELEMENTS
-            and self.changed <= self.numel,
-            f"payload entry at offset {self.offset}",
-        )
-        parse_checksum(self.checksum)  # ValueError
+        _require(self.length <= MAX_OBJECT_BYTES, f"payload of {self.length} bytes")
+        _require(self.changed <= MAX_ELEMENTS, f"payload with {self.changed} changes")
 
 
 @dataclass(frozen=True)
 class PartHeader:
-    """Everything a reader needs to place, link and verify one rank's part."""
+    """What a reader needs besides the run manifest to link and verify one rank's part."""
 
-    run_id: str  # the run manifest's: a part of another run is never ours
+    manifest: str  # SHA-256 of the run manifest: a part of another run, or another layout, is never ours
     step: int
     prev_step: int | None  # the same rank's previous part, which a delta applies to
     kind: Kind
     rank: int
     world_size: int
     created: float  # unix seconds, informational
-    tensors: tuple[TensorEntry, ...] = field(default=())
-    payloads: tuple[PayloadEntry, ...] = field(default=())
-    probe: tuple[float, ...] | None = None  # the trainer's log-probs of a fixed probe batch, if given
+    probe: int  # fp32 probe log-probs stored before the payloads (0: none published)
     format: str = PART_FORMAT
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(p.length for p in self.payloads)
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.payloads)
-
-    @property
-    def changed(self) -> int:
-        return sum(p.changed for p in self.payloads)
 
     def check(self) -> None:
         """The rules of docs/FORMAT.md section 2 that the header alone can break."""
         _require(self.format == PART_FORMAT, f"format {self.format!r}; this reader understands {PART_FORMAT!r}")
-        _require(bool(_RUN_ID.fullmatch(self.run_id)), f"run_id {self.run_id[:40]!r}")
+        _require(bool(_SHA256.fullmatch(self.manifest)), "manifest is not 64 lower-case hex digits")
         _require(0 <= self.step <= MAX_STEP, f"step {self.step}")
         _require(0 <= self.rank < self.world_size <= MAX_WORLD_SIZE, f"rank {self.rank} of {self.world_size}")
         if self.kind == Kind.BASE:
             _require(self.prev_step is None, "a base with a prev_step")
         else:
             _require(self.prev_step is not None and 0 <= self.prev_step < self.step, f"prev_step {self.prev_step}")
-        for entry in self.tensors:
-            entry.check()
-        end = total = 0
-        for i, payload in enumerate(self.payloads):
-            payload.check()
-            _require(payload.offset == end, f"payload {i} starts at {payload.offset}, expected {end}")
-            end, total = end + payload.length, total + payload.numel
-        _require(total <= MAX_ELEMENTS, f"the part holds {total} elements, over {MAX_ELEMENTS}")
-        _check_tiling(self.tensors, self.payloads)
+        _require(0 <= self.probe <= MAX_PROBE, f"probe of {self.probe} values")
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a blob says before its probe and payloads: enough to describe a part."""
+
+    header: PartHeader
+    entries: tuple[PayloadEntry, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.length for e in self.entries)
+
+    @property
+    def changed(self) -> int:
+        return sum(e.changed for e in self.entries)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A parsed blob: its header, payload table, probe and payloads (views of the blob)."""
+
+    header: PartHeader
+    entries: tuple[PayloadEntry, ...]
+    probe: tuple[float, ...] | None
+    payloads: tuple[memoryview, ...]
 
 
 @dataclass(frozen=True)
 class CommitMarker:
-    """Written after its blob: the part counts from then on, and its bytes are pinned."""
+    """Written after its blob: the part counts from then on, its bytes are pinned, and a reader
+    learns what it is (and what it costs) without fetching it."""
 
     size: int
     sha256: str
+    kind: Kind
+    prev_step: int | None
     format: str = COMMIT_FORMAT
 
     def check(self) -> None:
         _require(self.format == COMMIT_FORMAT, f"format {self.format!r}, expected {COMMIT_FORMAT!r}")
         _require(0 <= self.size <= MAX_OBJECT_BYTES, f"size {self.size}")
         _require(bool(_SHA256.fullmatch(self.sha256)), "sha256 is not 64 lower-case hex digits")
-
-
-@dataclass(frozen=True)
-class RunManifest:
-    """`run.json`: which run owns the prefix.  Created exclusively, never rewritten."""
-
-    run_id: str
-    world_size: int
-    created: float  # unix seconds, informational
-    part_format: str = PART_FORMAT
-    format: str = RUN_FORMAT
-
-    def check(self) -> None:
-        _require(self.format == RUN_FORMAT, f"format {self.format!r}; this reader understands {RUN_FORMAT!r}")
-        _require(self.part_format == PART_FORMAT, f"parts of format {self.part_format!r}, not {PART_FORMAT!r}")
-        _require(bool(_RUN_ID.fullmatch(self.run_id)), f"run_id {self.run_id[:40]!r}")
-        _require(1 <= self.world_size <= MAX_WORLD_SIZE, f"world_size {self.world_size}")
+        _require((self.kind == Kind.BASE) == (self.prev_step is None), f"a {self.kind.value} with prev_step")
+        _require(self.prev_step is None or 0 <= self.prev_step <= MAX_STEP, f"prev_step {self.prev_step}")
 
 
 def check_run_id(run_id: str) -> str:
@@ -244,6 +342,12 @@ _BLOCK_NAME = re.compile(r"[0-9]{9}")
 _STEP_NAME = re.compile(r"[0-9]{12}")
 
 
+class PartName(NamedTuple):
+    rank: int
+    world_size: int
+    bridge: bool
+
+
 def block_dir(block: int) -> str:
     return f"steps/{block:09d}"
 
@@ -252,12 +356,12 @@ def step_dir(step: int) -> str:
     return f"{block_dir(step // STEPS_PER_BLOCK)}/{step:012d}"
 
 
-def blob_path(step: int, rank: int, world_size: int) -> str:
-    return f"{step_dir(step)}/rank-{rank:05d}-of-{world_size:05d}.ldelta"
+def blob_path(step: int, rank: int, world_size: int, *, bridge: bool = False) -> str:
+    return f"{step_dir(step)}/rank-{rank:05d}-of-{world_size:05d}{'.bridge' if bridge else ''}.ldelta"
 
 
-def commit_path(step: int, rank: int, world_size: int) -> str:
-    return blob_path(step, rank, world_size) + ".commit"
+def commit_path(step: int, rank: int, world_size: int, *, bridge: bool = False) -> str:
+    return blob_path(step, rank, world_size, bridge=bridge) + ".commit"
 
 
 def parse_block_name(name: str) -> int | None:
@@ -272,60 +376,96 @@ def parse_step_name(name: str, block: int) -> int | None:
     return int(name)
 
 
-def parse_part_name(name: str) -> tuple[int, int] | None:
-    """(rank, world_size) of a commit marker's base name, None for anything else."""
+def parse_part_name(name: str) -> PartName | None:
+    """The part a commit marker's base name commits, None for anything else."""
     match = _PART_NAME.fullmatch(name)
     if not match:
         return None
     rank, world = int(match[1]), int(match[2])
-    return (rank, world) if 0 <= rank < world <= MAX_WORLD_SIZE else None
+    return PartName(rank, world, match[3] is not None) if 0 <= rank < world <= MAX_WORLD_SIZE else None
 
 
 # ----------------------------------------------------------------------------- blob
 
+_PROBE = "<f4"
 
-def encode_blob(header: PartHeader, payloads: list[bytes]) -> bytes:
-    """Header JSON plus payloads; the header's offsets and lengths must describe `payloads`."""
+
+def encode_blob(
+    header: PartHeader, entries: list[PayloadEntry], payloads: list[bytes], probe: tuple[float, ...] | None = None
+) -> bytes:
+    """Prefix, header JSON, payload table, probe, payloads; the table must describe the payloads."""
+    values = probe or ()
+    if header.probe != len(values) or [e.length for e in entries] != [len(p) for p in payloads]:
+        raise ValueError("the header and table do not describe the probe and payloads given")
     text = records.dumps(header)
-    return b"".join([_PREFIX.pack(MAGIC, len(text)), text, *payloads])
+    table = b"".join(_ENTRY.pack(e.length, e.changed, e.checksum) for e in entries)
+    probe_bytes = np.asarray(values, dtype=_PROBE).tobytes()
+    return b"".join([_PREFIX.pack(MAGIC, len(text), len(entries)), text, table, probe_bytes, *payloads])
 
 
 PREFIX_BYTES = _PREFIX.size
 
 
-def header_end(prefix: bytes | memoryview, object_size: int) -> int:
-    """Where the header of an `object_size`-byte blob ends, from its first PREFIX_BYTES bytes."""
+def head_end(prefix: bytes | memoryview, object_size: int) -> int:
+    """Where the payload table of an `object_size`-byte blob ends, from its first PREFIX_BYTES."""
     if len(prefix) < _PREFIX.size or object_size < _PREFIX.size:
         raise FormatError(f"part object truncated: {min(len(prefix), object_size)} bytes")
-    magic, size = _PREFIX.unpack_from(prefix)
+    magic, size, count = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise FormatError(f"not a {PART_FORMAT} part object (magic {bytes(magic)!r})")
-    if size > MAX_HEADER_BYTES or _PREFIX.size + size > object_size:
-        raise FormatError(f"part header of {size} bytes does not fit the {object_size}-byte object")
-    return _PREFIX.size + size
+    if size > MAX_HEADER_BYTES or count > MAX_PAYLOADS:
+        raise FormatError(f"part header of {size} bytes and {count} payloads is over the bounds")
+    end = _PREFIX.size + size + _ENTRY.size * count
+    if end > object_size:
+        raise FormatError(f"part header of {size} bytes and {count} payloads does not fit a {object_size}-byte object")
+    return end
 
 
-def decode_header(head: bytes | memoryview) -> PartHeader:
-    """The header of a blob from its first `header_end` bytes (the payload area is not checked)."""
-    return records.loads(head[_PREFIX.size :], PartHeader, what="part header", max_bytes=MAX_HEADER_BYTES)
+def decode_head(head: bytes | memoryview) -> Head:
+    """Header and payload table from a blob's first `head_end` bytes (nothing after is checked)."""
+    view = memoryview(head)
+    _, size, count = _PREFIX.unpack_from(view)
+    text_end = _PREFIX.size + size
+    header = records.loads(view[_PREFIX.size : text_end], PartHeader, what="part header", max_bytes=MAX_HEADER_BYTES)
+    entries = tuple(PayloadEntry(*_ENTRY.unpack_from(view, text_end + i * _ENTRY.size)) for i in range(count))
+    for i, entry in enumerate(entries):
+        try:
+            entry.check()
+        except ValueError as err:
+            raise FormatError(f"payload table entry {i}: {err}") from None
+    return Head(header, entries)
 
 
-def decode_blob(blob: bytes | memoryview) -> tuple[PartHeader, memoryview]:
-    """Validate a blob and return its header and payload area."""
+def decode_blob(blob: bytes | memoryview) -> Part:
+    """Validate a blob's structure and split it into header, table, probe and payloads."""
     view = memoryview(blob)
-    end = header_end(view, len(view))
-    header = decode_header(view[:end])
-    payload = view[end:]
-    if header.payload_bytes != len(payload):
-        raise FormatError(f"part payload area is {len(payload)} bytes, its header describes {header.payload_bytes}")
-    return header, payload
+    end = head_end(view, len(view))
+    head = decode_head(view[:end])
+    header = head.header
+    probe_end = end + 4 * header.probe
+    if probe_end + head.payload_bytes != len(view):
+        raise FormatError(
+            f"part is {len(view)} bytes; its header describes {probe_end + head.payload_bytes} "
+            f"({header.probe} probe values and {len(head.entries)} payloads)"
+        )
+    probe = None
+    if header.probe:
+        values = np.frombuffer(view[end:probe_end], dtype=_PROBE)
+        if not np.isfinite(values).all():
+            raise FormatError("probe holds a value that is not finite")
+        probe = tuple(values.astype(np.float64).tolist())
+    payloads, pos = [], probe_end
+    for entry in head.entries:
+        payloads.append(view[pos : pos + entry.length])
+        pos += entry.length
+    return Part(header, head.entries, probe, tuple(payloads))
 
 
 # ----------------------------------------------------------------------------- commit and run
 
 
-def encode_commit(blob: bytes) -> bytes:
-    return records.dumps(CommitMarker(len(blob), hashlib.sha256(blob).hexdigest()))
+def encode_commit(blob: bytes, header: PartHeader) -> bytes:
+    return records.dumps(CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), header.kind, header.prev_step))
 
 
 def decode_commit(marker: bytes) -> CommitMarker:
@@ -344,24 +484,6 @@ def encode_manifest(manifest: RunManifest) -> bytes:
     return records.dumps(manifest)
 
 
-def decode_manifest(data: bytes) -> RunManifest:
-    return records.loads(data, RunManifest, what="run manifest", max_bytes=MAX_MANIFEST_BYTES)
-
-
-# ----------------------------------------------------------------------------- rules
-
-
-def _check_tiling(tensors: tuple[TensorEntry, ...], payloads: tuple[PayloadEntry, ...]) -> None:
-    """Each payload is exactly its slices (at least one) back to back, in header order, of one dtype."""
-    filled = [0] * len(payloads)
-    dtypes: dict[int, str] = {}
-    for entry in tensors:
-        _require(
-            entry.payload < len(payloads) and entry.at == filled[entry.payload],
-            f"tensor entry {entry.name!r} is not the next slice of payload {entry.payload}",
-        )
-        _require(dtypes.setdefault(entry.payload, entry.dtype) == entry.dtype, f"payload {entry.payload} mixes dtypes")
-        filled[entry.payload] += entry.numel
-    for i, (payload, numel) in enumerate(zip(payloads, filled, strict=True)):
-        _require(i in dtypes, f"payload {i} holds no slice")
-        _require(payload.numel == numel, f"payload {i} holds {payload.numel} elements, its slices {numel}")
+def decode_manifest(data: bytes) -> Run:
+    manifest = records.loads(data, RunManifest, what="run manifest", max_bytes=MAX_MANIFEST_BYTES)
+    return Run(manifest, hashlib.sha256(data).hexdigest())

@@ -131,7 +131,7 @@ class DeltaTrainerCallback(TrainerCallback):
         upload = self.publisher.last_upload
         if upload is not None:
             metrics["delta/last_published_step"] = float(upload.step)
-            metrics["delta/payload_bytes"] = float(upload.payload_bytes)
+            metrics["delta/stored_bytes"] = float(upload.stored_bytes)
         if logs is not None:
             logs.update(metrics)
         if state.log_history:

@@ -1,15 +1,17 @@
 """The rollout side: rebuild a published step bit for bit, verify it, and only then use it.
 
-For each rank of the step, the loader walks that rank's chain back to its base (or to the state
-it already holds), then decodes forward.  Every object is checked against its commit marker's
-SHA-256; every part against the run manifest's run id (a part of another run is never ours);
-every slice against the trainer's value checksum (incrementally for intermediate steps, in full
-for the step returned).  Any mismatch raises and leaves the loader's state, and any module, as
-it was: held steps are never written to, and a step is decoded only into buffers no held step uses.
+For each rank of the step, the loader plans the cheapest path from the state it holds (or from a
+base) by the sizes in commit markers (`paths.cheapest_path`), fetches only those parts, and decodes
+forward.  Every object is checked against its commit marker's SHA-256; every part against the run
+manifest's digest (a part of another run is never ours); every payload against the trainer's
+value checksum (incrementally for intermediate steps, in full for the step returned).  Any
+mismatch raises and leaves the loader's state, and any module, as it was: held steps are never
+written to, and a step is decoded only into buffers no held step uses.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,20 +23,24 @@ from torch import Tensor, nn
 
 from . import codec
 from . import format as fmt
-from .checksum import checksum, checksum_update, parse_checksum
+from .checksum import checksum, checksum_update
 from .errors import (
     ChainError,
     ChecksumError,
+    DeltaError,
     FormatError,
     ModelMismatchError,
     SnapshotNotFoundError,
 )
 from .follow import FollowedStep, follow
+from .paths import cheapest_path
 from .replica import agree, exchange
 from .shards import assemble, named_tensors
 from .store import Store, as_store
 
 __all__ = ["DeltaLoader", "LoadReport", "copy_into"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,8 @@ class LoadReport:
 
     step: int
     kind: fmt.Kind  # of the step itself (rank 0's part)
-    parts_read: int  # objects fetched; 0 when the step was already held
-    payload_bytes: int  # tensor payload bytes fetched
+    parts_read: int  # part objects fetched; 0 when the step was already held
+    bytes_read: int  # every object read from the store for it: markers, manifest, parts
     tensors: int  # full tensors rebuilt and verified
     seconds: float  # fetch, decode and verification
     probe: tuple[float, ...] | None = None  # the trainer's probe log-probs at this step, if published
@@ -53,7 +59,7 @@ class LoadReport:
         probe = "None" if self.probe is None else f"<{len(self.probe)} log-probs>"
         return (
             f"LoadReport(step={self.step}, kind={self.kind.value}, parts_read={self.parts_read}, "
-            f"payload_bytes={self.payload_bytes}, tensors={self.tensors}, seconds={self.seconds:.3f}, probe={probe})"
+            f"bytes_read={self.bytes_read}, tensors={self.tensors}, seconds={self.seconds:.3f}, probe={probe})"
         )
 
 
@@ -63,12 +69,10 @@ class _Payload:
     checksum: int
 
 
-_Part = tuple[fmt.PartHeader, memoryview]  # a part's validated header and its payload area
-
-
 @dataclass(frozen=True)
 class _RankState:
-    header: fmt.PartHeader
+    header: fmt.PartHeader  # of the part it was rebuilt with last
+    probe: tuple[float, ...] | None
     payloads: list[_Payload]
 
 
@@ -106,7 +110,7 @@ class DeltaLoader:
         # (`_assemble` copies): the next step decodes into them, since on the CPU a fresh buffer's
         # page faults cost as much as the decode itself.
         self._spare: dict[tuple[int, int], list[Tensor]] = {}
-        self._fetched: list[fmt.PartHeader] = []
+        self._fetched = 0  # parts read by the current call
         self._complete: set[int] = set()  # steps seen complete
         self.last_report: LoadReport | None = None
 
@@ -141,14 +145,20 @@ class DeltaLoader:
                 step = agree(step, self.group)
             if step < 0:
                 raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
-        manifest = self.store.manifest()
-        if manifest is None or not (step in self._complete or self.store.is_complete(step, manifest.world_size)):
+        started, read_before, self._fetched = time.perf_counter(), self.store.bytes_read, 0
+        run = self.store.manifest()
+        if run is None or not (step in self._complete or self.store.is_complete(step, run.world_size)):
             raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
-        world = manifest.world_size
-        started, self._fetched = time.perf_counter(), []
-        chains = self._fetch(step, world)
-        states = [self._decode(step, rank, world, chain) for rank, chain in enumerate(chains)]
-        tensors = _assemble(states)
+        world = run.world_size
+        try:
+            states = self._rebuild(step, world, from_held=True)
+        except DeltaError as err:
+            if not any(w == world for _, w in self._states):
+                raise
+            # The cheap path from the step held crosses damage; a base may still rebuild it.
+            log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
+            states = self._rebuild(step, world, from_held=False)
+        tensors = _assemble(run, states)
         for rank, state in enumerate(states):
             replaced = self._states.get((rank, world))
             if replaced is not None and replaced is not state:  # the step held already is kept as is
@@ -157,11 +167,11 @@ class DeltaLoader:
         self.last_report = LoadReport(
             step=step,
             kind=states[0].header.kind,
-            parts_read=len(self._fetched),
-            payload_bytes=sum(h.payload_bytes for h in self._fetched),
+            parts_read=self._fetched,
+            bytes_read=self.store.bytes_read - read_before,
             tensors=len(tensors),
             seconds=time.perf_counter() - started,
-            probe=states[0].header.probe,
+            probe=states[0].probe,
         )
         return step, tensors
 
@@ -220,7 +230,11 @@ class DeltaLoader:
 
     # ------------------------------------------------------------------ reconstruction
 
-    def _fetch(self, step: int, world: int) -> list[list[_Part]]:
+    def _rebuild(self, step: int, world: int, from_held: bool) -> list[_RankState]:
+        chains = self._fetch(step, world, from_held)
+        return [self._decode(step, rank, world, chain) for rank, chain in enumerate(chains)]
+
+    def _fetch(self, step: int, world: int, from_held: bool) -> list[list[fmt.Part]]:
         """Per rank, the parts that lead from what is held (or a base) to `step`, newest first."""
         if self.group is None:
             ours = range(world)
@@ -233,16 +247,16 @@ class DeltaLoader:
             bar = tqdm(total=len(ours), desc=f"step {step}", unit="part", leave=False)
         try:
             if self.group is None:
-                return [[(h, p) for _, h, p in self._walk(step, rank, world, bar)] for rank in ours]
+                return [[part for _, part in self._walk(step, rank, world, from_held, bar)] for rank in ours]
             try:
-                walked = {rank: self._walk(step, rank, world, bar) for rank in ours}
+                walked = {rank: self._walk(step, rank, world, from_held, bar) for rank in ours}
                 mine: list[bytes] | BaseException = [len(c).to_bytes(8, "little") for c in walked.values()]
-                mine += [blob for chain in walked.values() for blob, _, _ in chain]
+                mine += [blob for chain in walked.values() for blob, _ in chain]
             except Exception as err:  # shared with the group, so no worker waits in a broadcast
                 mine = err
             received = _unpack_shares(exchange(mine, self.group), world)
             return [
-                [(h, p) for _, h, p in walked[rank]] if rank in walked else self._parse(step, rank, world, blobs)
+                [part for _, part in walked[rank]] if rank in walked else self._parse(step, rank, world, blobs)
                 for rank, blobs in enumerate(received)
             ]
         finally:
@@ -250,64 +264,66 @@ class DeltaLoader:
                 bar.close()
 
     def _walk(
-        self, step: int, rank: int, world: int, bar: Any = None
-    ) -> list[tuple[bytes, fmt.PartHeader, memoryview]]:
-        """Follow `prev_step` links back from `step` to a base or to the state already held."""
-        chain: list[tuple[bytes, fmt.PartHeader, memoryview]] = []
-        at, last = step, None
-        held = self._states.get((rank, world))
-        while True:
-            if held and held.header.step == at:
-                return chain
-            try:
-                blob = self.store.read_blob(at, rank, world)
-            except SnapshotNotFoundError:
-                if last is None:
-                    raise
-                raise ChainError(
-                    f"step {last.step} rank {rank} is a delta against step {at}, "
-                    "which is not in the store (deleted, or its upload never finished)"
-                ) from None
-            header, payload = self._part(blob, at, rank, world)
-            chain.append((blob, header, payload))
-            self._fetched.append(header)
-            if header.kind == fmt.Kind.BASE:
-                if bar is not None:
-                    bar.update(1)
-                return chain
-            at, last = header.prev_step, header
+        self, step: int, rank: int, world: int, from_held: bool, bar: Any = None
+    ) -> list[tuple[bytes, fmt.Part]]:
+        """Fetch the cheapest path from the state held (or a base) to `step`: markers first, to
+        plan, then only the blobs on the path."""
+        held = self._states.get((rank, world)) if from_held else None
+        path = cheapest_path(step, held.header.step if held else None, lambda s: self.store.part_refs(s, rank, world))
+        chain = []
+        for ref in path:
+            blob = self.store.read_blob(ref, rank, world)
+            chain.append((blob, self._part(self.store.parse_part(blob, ref, rank, world), rank, world)))
+            self._fetched += 1
+        if bar is not None:
+            bar.update(1)
+        return chain
 
-    def _parse(self, step: int, rank: int, world: int, blobs: list[bytes]) -> list[_Part]:
+    def _parse(self, step: int, rank: int, world: int, blobs: list[bytes]) -> list[fmt.Part]:
         """Parts from blobs another replica worker fetched, each checked to be where the chain
         says it is (newest first, from `step` along `prev_step`)."""
         parts, at = [], step
         for blob in blobs:
-            header, payload = self._part(blob, at, rank, world)
-            parts.append((header, payload))
+            try:
+                part = fmt.decode_blob(blob)
+            except FormatError as err:
+                raise FormatError(f"{self.store.url}/{fmt.blob_path(at, rank, world)}: {err}") from None
+            header = part.header
+            if (header.step, header.rank, header.world_size) != (at, rank, world):
+                raise FormatError(f"a replica worker sent step {header.step} rank {header.rank} for {at} rank {rank}")
+            parts.append(self._part(part, rank, world))
             if header.kind == fmt.Kind.BASE:
                 break
+            assert header.prev_step is not None
             at = header.prev_step
         return parts
 
-    def _part(self, blob: bytes, step: int, rank: int, world: int) -> _Part:
-        """A part's header and payload area, if the part is where it claims and of this run."""
-        header, payload = self.store.parse_part(blob, step, rank, world)
-        manifest = self.store.manifest()
-        assert manifest is not None  # no step is complete without one
-        if header.run_id != manifest.run_id:
+    def _part(self, part: fmt.Part, rank: int, world: int) -> fmt.Part:
+        """`part`, if it belongs to the run that owns the prefix and fits its layout."""
+        run = self.store.manifest()
+        assert run is not None  # no step is complete without one
+        header = part.header
+        where = f"{self.store.url}/{fmt.blob_path(header.step, rank, world)}"
+        if header.manifest != run.sha256:
             raise ChainError(
-                f"{self.store.url}/{fmt.blob_path(step, rank, world)} is a part of run {header.run_id}, "
-                f"not of {manifest.run_id}, the run that owns the prefix: a foreign part"
+                f"{where} is a part of another run (its manifest {header.manifest[:12]}..., the prefix's "
+                f"{run.sha256[:12]}..., run {run.run_id}): a foreign part"
             )
-        return header, payload
+        if len(part.entries) != len(run.payloads[rank]):
+            expected = len(run.payloads[rank])
+            raise FormatError(f"{where} has {len(part.entries)} payloads, the run's layout {expected}")
+        for entry, (numel, _) in zip(part.entries, run.payloads[rank], strict=True):
+            if entry.changed > numel:
+                raise FormatError(f"{where} says {entry.changed} of a payload's {numel} elements changed")
+        return part
 
-    def _decode(self, step: int, rank: int, world: int, parts: list[_Part]) -> _RankState:
+    def _decode(self, step: int, rank: int, world: int, parts: list[fmt.Part]) -> _RankState:
         """Apply `parts` (newest first, linked by `prev_step` and all of this run) to the held
         state or from their base, verifying every payload."""
         held = self._states.get((rank, world))
         state = None
-        if not parts or parts[-1][0].kind == fmt.Kind.DELTA:
-            at = parts[-1][0].prev_step if parts else step
+        if not parts or parts[-1].header.kind == fmt.Kind.DELTA:
+            at = parts[-1].header.prev_step if parts else step
             if held is None or held.header.step != at:
                 raise ChainError(f"step {step} rank {rank}: the chain does not reach a base or the step held")
             state = held
@@ -315,40 +331,31 @@ class DeltaLoader:
         # handed out again without re-verification.
         taken = {p.bits.data_ptr() for s in self._states.values() for p in s.payloads}
         spare = [None if b.data_ptr() in taken else b for b in self._spare.pop((rank, world), [])]
-        for i, (header, payload) in enumerate(reversed(parts)):
+        for i, part in enumerate(reversed(parts)):
             previous = state
-            state = self._apply(state, header, payload, full_check=i == len(parts) - 1, spare=spare)
+            state = self._apply(state, part, full_check=i == len(parts) - 1, spare=spare)
             # An intermediate step of a longer chain is free once the next is built from it.
             spare = [p.bits for p in previous.payloads] if previous is not None and previous is not held else []
         assert state is not None
         return state
 
     def _apply(
-        self,
-        state: _RankState | None,
-        header: fmt.PartHeader,
-        payload: memoryview,
-        full_check: bool,
-        spare: list[Tensor | None],
+        self, state: _RankState | None, part: fmt.Part, full_check: bool, spare: list[Tensor | None]
     ) -> _RankState:
+        header = part.header
+        run = self.store.manifest()
+        assert run is not None
         where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
-        if header.kind == fmt.Kind.DELTA:
-            assert state is not None
-            sizes = [p.numel for p in header.payloads]
-            if header.tensors != state.header.tensors or sizes != [p.numel for p in state.header.payloads]:
-                raise ChainError(f"{where}: its slices differ from those of its predecessor step {header.prev_step}")
-        dtypes = {t.payload: fmt.DTYPE_NAMES[t.dtype] for t in header.tensors}  # every payload has slices
         payloads = []
-        for i, entry in enumerate(header.payloads):
-            data = payload[entry.offset : entry.offset + entry.length]
+        for i, (entry, data, (numel, dtype)) in enumerate(
+            zip(part.entries, part.payloads, run.payloads[header.rank], strict=True)
+        ):
             old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
             out = spare[i] if i < len(spare) else None
-            if out is not None and (out.numel(), out.dtype) != (entry.numel, dtypes[i]):
+            if out is not None and (out.numel(), out.dtype) != (numel, dtype):
                 out = None
             try:
-                decoded = codec.decode_change(
-                    old.bits if old else None, data, numel=entry.numel, dtype=dtypes[i], out=out
-                )
+                decoded = codec.decode_change(old.bits if old else None, data, numel=numel, dtype=dtype, out=out)
             except FormatError as err:
                 raise FormatError(f"{where}: payload {i}: {err}") from None
             new = decoded.new.to(self.device)
@@ -361,13 +368,14 @@ class DeltaLoader:
                 value = checksum_update(old.checksum, change.index, change.old, change.new)
             else:
                 value = checksum(new.view(torch.int16))
-            if value != parse_checksum(entry.checksum):
-                names = sorted({t.name for t in header.tensors if t.payload == i})
+            if value != entry.checksum:
+                tensors = run.manifest.tensors
+                names = [tensors[s.tensor].name for s in run.manifest.ranks[header.rank][i]]
                 raise ChecksumError(
                     f"{where}: payload {i} ({', '.join(names[:4])}) does not reproduce the trainer's checksum"
                 )
             payloads.append(_Payload(new, value))
-        return _RankState(header, payloads)
+        return _RankState(header, part.probe, payloads)
 
 
 def _usable(device: torch.device) -> torch.device:
@@ -428,15 +436,17 @@ def _unpack_shares(received: list[list[bytes]], world: int) -> list[list[bytes]]
     return chains
 
 
-def _assemble(states: list[_RankState]) -> dict[str, Tensor]:
-    pieces: dict[str, list[tuple[int, Tensor]]] = {}
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for state in states:
-        for entry in state.header.tensors:
-            if meta.setdefault(entry.name, (entry.dtype, entry.shape)) != (entry.dtype, entry.shape):
-                raise FormatError(f"{entry.name}: ranks disagree on its dtype or shape")
-            bits = state.payloads[entry.payload].bits[entry.at : entry.at + entry.numel]
-            pieces.setdefault(entry.name, []).append((entry.start, bits))
+def _assemble(run: fmt.Run, states: list[_RankState]) -> dict[str, Tensor]:
+    """Full tensors from every rank's payloads, placed as the run manifest's layout says."""
+    tensors = run.manifest.tensors
+    pieces: dict[int, list[tuple[int, Tensor]]] = {}
+    for state, layout in zip(states, run.manifest.ranks, strict=True):
+        for payload, slices in zip(state.payloads, layout, strict=True):
+            at = 0
+            for s in slices:
+                pieces.setdefault(s.tensor, []).append((s.start, payload.bits[at : at + s.numel]))
+                at += s.numel
     return {
-        name: assemble(name, meta[name][1], fmt.DTYPE_NAMES[meta[name][0]], pieces[name]) for name in sorted(pieces)
+        tensors[i].name: assemble(tensors[i].name, tensors[i].shape, fmt.DTYPE_NAMES[tensors[i].dtype], pieces[i])
+        for i in sorted(pieces, key=lambda i: tensors[i].name)
     }

@@ -2,12 +2,15 @@
 
 `DeltaPublisher.publish(step)` does on the calling thread only what must see the live weights:
 cast the rank's own slices to `dtype` on their device, diff them against the cached copy from the
-last publish and write the changed elements into the cache.  Two worker threads do the rest,
-pipelined: one packs the change on its device (a few bytes per changed element), copies it to
-the host (pinned memory, on a side stream on CUDA, so the training stream never waits) and
-compresses it, while the other uploads and commits the previous snapshot (s3fs sends large
-blobs as concurrent multipart parts).  Their errors are raised on the next `publish` or at
-`close`.
+last publish and write the changed elements into the cache (a base step also takes a device-side
+copy).  Two worker threads do the rest, pipelined: one packs on the device (a few bytes per
+changed element; a base's byte planes and checksum), copies to the host (pinned memory, on a side
+stream on CUDA, so the training stream never waits) and compresses, several payloads at once,
+while the other uploads and commits the previous snapshot (s3fs sends large blobs as concurrent
+multipart parts).  Their errors are raised on the next `publish` or at `close`.
+
+At every base step after the first, the rank also publishes a bridge: the same step as a delta
+against its previous part, committed before the base, so followers in sync never read a base.
 
 Each rank's parts form their own chain (each delta names the same rank's previous part), so a
 rank never waits for another: not to publish, and not to skip a step when its uploads fall behind.
@@ -23,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -33,8 +37,8 @@ from torch import Tensor, nn
 
 from . import codec
 from . import format as fmt
-from .checksum import checksum, checksum_update, format_checksum
-from .errors import PublishError
+from .checksum import checksum, checksum_update
+from .errors import PublishError, UnsupportedStrategyError
 from .shards import OwnedSlice, named_tensors, plan, read_slice
 from .store import Store, as_store
 
@@ -77,7 +81,7 @@ class UploadStats:
     """What the worker threads did for one published step."""
 
     step: int
-    payload_bytes: int  # tensor payloads, compressed
+    stored_bytes: int  # objects written for the step: blob, marker, and the bridge and its marker
     dense_bytes: int  # the same slices as plain `dtype`
     upload_ms: float  # from the start of packing to the commit (pack, copy, compress, hash, write)
 
@@ -97,33 +101,37 @@ class _Group:
 
 @dataclass(frozen=True)
 class _Piece:
-    """One group of a snapshot as it leaves the training thread.
+    """One group of a snapshot as it leaves the training thread: only what must see the live
+    weights is done there (the diff, and for a base a device-side copy); the worker packs."""
 
-    A base is packed and checksummed there (bases are rare); a delta only carries the change,
-    which the worker packs and folds into the running checksum.
-    """
-
-    packed: codec.Packed | None = None  # base
-    checksum: int | None = None  # base
-    change: codec.Change | None = None  # delta
+    snapshot: Tensor | None = None  # base: the group's values, a copy no later step writes to
+    change: codec.Change | None = None  # delta, or a base's bridge
     whole: Tensor | None = None  # delta that may be stored RAW: the group's new values, unshared
 
 
 @dataclass(frozen=True)
 class _Job:
-    header: fmt.PartHeader  # checksums, offsets and lengths are filled in by the worker
+    header: fmt.PartHeader
     pieces: list[_Piece]
+    probe: tuple[float, ...] | None
+    bridge_from: int | None  # a base's bridge: the delta against this rank's previous part
     ready: torch.cuda.Event | None  # recorded on the training stream after the snapshot (CUDA)
 
 
 @dataclass(frozen=True)
-class _Encoded:
+class _Blob:
     header: fmt.PartHeader  # complete
-    blob: bytes
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    part: _Blob
+    bridge: _Blob | None  # committed before the base, so a complete step has it if it was written
     started: float  # when its encoding began (perf_counter)
 
 
-_FAILED = _Encoded(fmt.PartHeader("-", 0, None, fmt.Kind.BASE, 0, 1, 0.0), b"", 0.0)
+_FAILED = _Encoded(_Blob(fmt.PartHeader("0" * 64, 0, None, fmt.Kind.BASE, 0, 1, 0.0, 0), b""), None, 0.0)
 """Stage one's word to stage two that a snapshot was lost: deltas wait for the next base."""
 
 
@@ -175,7 +183,9 @@ class DeltaPublisher:
         store: fsspec URL (a local path works) or a `Store`.
         tensors: a module (its parameters and persistent float buffers), a mapping of name to
             tensor, or a callable returning one; DTensor parameters are read shard by shard.
-        base_every: a full base every this many steps, deltas in between.
+            Its names and shapes are the run's layout, fixed at construction.
+        base_every: a full base every this many steps, deltas in between.  Each base after the
+            first comes with a bridge delta, so followers that are in sync never download a base.
         dtype: the 16-bit dtype that is shipped; the trainer's masters are never touched.
         process_group: the ranks that share the upload; default the world group if initialised.
         run_id: continue this run (resume): the prefix's run manifest must name it.  Without it
@@ -183,6 +193,8 @@ class DeltaPublisher:
         backlog: policy when `max_pending` snapshots already wait for upload.
         keep_bases: if set, rank 0 deletes the steps older than the `keep_bases`-th newest
             complete base after each base it commits (see `Store.collect`).
+
+    Construction is collective: every rank of `process_group` builds its publisher together.
     """
 
     def __init__(
@@ -210,11 +222,18 @@ class DeltaPublisher:
             process_group = dist.group.WORLD
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        self.run_id = _claim(self.store, run_id, self.rank, self.world_size, process_group)
+        live = self._source()
+        self._specs = _grouped(plan(dict(live), self.rank, self.world_size), live)
+        self._shapes = {s.name: s.shape for group in self._specs for s in group}
+        self._numel = sum(s.numel for group in self._specs for s in group)
+        layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
+        self.run_id, self._manifest = _claim(
+            self.store, run_id, layout, _dtype_name(self.dtype), self.rank, self.world_size, process_group
+        )
         self._cache: list[_Group] | None = None
-        self._layout: tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]] = ((), ())  # of the cache
         self._host: _HostSide | None = None
         self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
+        self._pool = ThreadPoolExecutor(self.codec_options.threads, thread_name_prefix="delta-compress")
         # A resumed run publishes only past what the store holds: a step number is never reused,
         # not even one that retention deleted (a loader may still hold that step).
         published = self.store.published_steps() if run_id is not None else []
@@ -245,6 +264,8 @@ class DeltaPublisher:
         probed = None if probe is None else tuple(probe.detach().float().flatten().cpu().tolist())
         if probed is not None and not all(math.isfinite(v) for v in probed):
             raise ValueError("probe values must be finite")
+        if probed is not None and len(probed) > fmt.MAX_PROBE:
+            raise ValueError(f"a probe holds at most {fmt.MAX_PROBE} values, got {len(probed)}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"steps must increase: {step} after {self._last_step} (published, or in the store)")
         if self.backlog == Backlog.COALESCE and self._jobs.full():
@@ -252,42 +273,44 @@ class DeltaPublisher:
             return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
         tensors = self._source()
-        if self._cache is None:  # the first publish, or a rebase
+        changed_shape = [n for n, shape in self._shapes.items() if n not in tensors or tuple(tensors[n].shape) != shape]
+        if changed_shape:
+            raise UnsupportedStrategyError(
+                f"the run's layout is fixed at construction; {changed_shape[:3]} changed or vanished since: "
+                "publish a model of another shape as a new run, under a prefix of its own"
+            )
+        rebase = self._cache is None  # the first publish, or after a failure: no bridge
+        if rebase:
             self._last_base = None
-            cache = _groups(plan(dict(tensors), self.rank, self.world_size), tensors)
-            self._layout = _layout(cache, _dtype_name(self.dtype))
-        else:
-            cache = self._cache
         is_base = self._last_base is None or step - self._last_base >= self.base_every
         if self._host is None:
             devices = [t.device for t in tensors.values()]
             self._host = _HostSide(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
         try:
-            pieces, changed_total = self._snapshot(cache, tensors, is_base)
+            cache = self._cache or [_Group(specs, torch.empty(0)) for specs in self._specs]
+            pieces, changed_total = self._snapshot(cache, tensors, is_base, bridge=is_base and not rebase)
         except BaseException:
             self._cache = None  # some slices may hold a step that was never published: rebase
             raise
         self._cache = cache
         kind = fmt.Kind.BASE if is_base else fmt.Kind.DELTA
         header = fmt.PartHeader(
-            run_id=self.run_id,
+            manifest=self._manifest,
             step=step,
             prev_step=None if is_base else self._last_step,
             kind=kind,
             rank=self.rank,
             world_size=self.world_size,
             created=time.time(),
-            tensors=self._layout[0],
-            payloads=self._layout[1],
-            probe=probed,
+            probe=len(probed or ()),
         )
         diff_ms = (time.perf_counter() - started) * 1e3
-        self._jobs.put(_Job(header, pieces, self._host.mark()))  # blocks only under Backlog.BLOCK
+        job = _Job(header, pieces, probed, self._last_step if is_base and not rebase else None, self._host.mark())
+        self._jobs.put(job)  # blocks only under Backlog.BLOCK
         self._last_step = step
         if is_base:
             self._last_base = step
-        numel = sum(p.numel for p in self._layout[1])
-        return PublishStats(step, True, kind, changed_total, numel, diff_ms)
+        return PublishStats(step, True, kind, changed_total, self._numel, diff_ms)
 
     @property
     def last_step(self) -> int:
@@ -299,28 +322,30 @@ class DeltaPublisher:
         """Snapshots queued for upload and not yet committed."""
         return self._jobs.unfinished_tasks
 
-    def _snapshot(self, cache: list[_Group], tensors: Mapping[str, Tensor], is_base: bool) -> tuple[list[_Piece], int]:
+    def _snapshot(
+        self, cache: list[_Group], tensors: Mapping[str, Tensor], is_base: bool, bridge: bool
+    ) -> tuple[list[_Piece], int]:
         """Diff every group against the cache on its device and bring the cache up to date.
 
-        A delta writes only the changed elements into the cache; a base copies, checksums and
-        packs the whole group.
+        A delta (and a base's bridge) writes only the changed elements into the cache; a base
+        also hands the worker a device-side copy of the group to pack.
         """
         pieces, changed_total = [], 0
         for group in cache:
             parts = [read_slice(tensors[spec.name], spec).to(self.dtype) for spec in group.specs]
             # A lone slice may be a view of the live weights (already `dtype`); a concatenation is ours.
             values, shared = (parts[0], True) if len(parts) == 1 else (torch.cat(parts), False)
-            if is_base:
+            if is_base and not bridge:
                 group.bits = values.clone() if shared else values
-                piece = _Piece(packed=codec.pack_full(group.bits), checksum=checksum(group.bits.view(torch.int16)))
+                pieces.append(_Piece(snapshot=group.bits))
                 changed_total += values.numel()
-            else:
-                change = codec.diff(group.bits, values)
-                whole = (values.clone() if shared else values) if codec.may_pack_raw(change) else None
-                group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
-                piece = _Piece(change=change, whole=whole)
-                changed_total += change.index.numel()
-            pieces.append(piece)
+                continue
+            change = codec.diff(group.bits, values)
+            whole = (values.clone() if shared else values) if codec.may_pack_raw(change) else None
+            group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
+            snapshot = group.bits.clone() if is_base else None  # the cache changes at the next step
+            pieces.append(_Piece(snapshot=snapshot, change=change, whole=whole))
+            changed_total += values.numel() if is_base else change.index.numel()
         return pieces, changed_total
 
     def flush(self) -> None:
@@ -334,6 +359,7 @@ class DeltaPublisher:
             self._jobs.put(None)
         for worker in self._workers:
             worker.join()
+        self._pool.shutdown()
         self._raise_worker_error()
 
     def __enter__(self) -> DeltaPublisher:
@@ -374,9 +400,9 @@ class DeltaPublisher:
                     return
                 if item is _FAILED:
                     broken = True
-                elif not broken or item.header.kind == fmt.Kind.BASE:
+                elif not broken or item.part.header.kind == fmt.Kind.BASE:
+                    self._commit(item, with_bridge=not broken)
                     broken = False
-                    self._commit(item)
             except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
                 log.exception("delta upload failed")
                 broken, self._error = True, err
@@ -385,67 +411,78 @@ class DeltaPublisher:
 
     def _encode(self, job: _Job) -> _Encoded:
         started = time.perf_counter()
-        packed, checksums = self._pack(job)
-        self._checksums = checksums  # a base resets them should this part fail to commit
-        payloads = [codec.serialize(p, self.codec_options) for p in packed]
-        entries, offset = [], 0
-        for entry, payload, value, piece in zip(job.header.payloads, payloads, checksums, job.pieces, strict=True):
-            changed = entry.numel if piece.change is None else piece.change.index.numel()
-            entries.append(fmt.PayloadEntry(offset, len(payload), entry.numel, format_checksum(value), changed))
-            offset += len(payload)
-        header = fmt.PartHeader(**{**job.header.__dict__, "payloads": tuple(entries)})
-        return _Encoded(header, fmt.encode_blob(header, payloads), started)
+        full, delta, checksums = self._pack(job)
+        if full is None:
+            changes = [p.change.index.numel() for p in job.pieces if p.change is not None]
+            return _Encoded(self._blob(job.header, delta, changes, checksums, job.probe), None, started)
+        part = self._blob(job.header, full, [p.n for p in full], checksums, job.probe)
+        bridge = None
+        if job.bridge_from is not None:
+            header = replace(job.header, kind=fmt.Kind.DELTA, prev_step=job.bridge_from)
+            changes = [p.change.index.numel() for p in job.pieces if p.change is not None]
+            bridge = self._blob(header, delta, changes, checksums, job.probe)
+        return _Encoded(part, bridge, started)
 
-    def _commit(self, item: _Encoded) -> None:
-        header = item.header
-        self.store.commit_part(header.step, header.rank, header.world_size, item.blob)
+    def _blob(
+        self,
+        header: fmt.PartHeader,
+        packed: list[codec.Packed],
+        changed: list[int],
+        checksums: list[int],
+        probe: tuple[float, ...] | None,
+    ) -> _Blob:
+        """A part's bytes: its payloads compressed a few at a time (zstd releases the GIL)."""
+        payloads = list(self._pool.map(lambda p: codec.serialize(p, self.codec_options), packed))
+        entries = [fmt.PayloadEntry(len(p), c, v) for p, c, v in zip(payloads, changed, checksums, strict=True)]
+        return _Blob(header, fmt.encode_blob(header, entries, payloads, probe))
+
+    def _commit(self, item: _Encoded, with_bridge: bool) -> None:
+        header = item.part.header
+        stored = 0
+        for blob, bridge in ((item.bridge, True), (item.part, False)):
+            if blob is not None and (with_bridge or not bridge):
+                self.store.commit_part(blob.header, blob.data, bridge=bridge)
+                stored += len(blob.data) + len(fmt.encode_commit(blob.data, blob.header))
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
-        dense = header.numel * self.dtype.itemsize
+        dense = self._numel * self.dtype.itemsize
         elapsed = (time.perf_counter() - item.started) * 1e3
-        self.last_upload = UploadStats(header.step, header.payload_bytes, dense, elapsed)
+        self.last_upload = UploadStats(header.step, stored, dense, elapsed)
 
-    def _pack(self, job: _Job) -> tuple[list[codec.Packed], list[int]]:
-        """Per payload: its packing on the host and its checksum.
+    def _pack(self, job: _Job) -> tuple[list[codec.Packed] | None, list[codec.Packed], list[int]]:
+        """The base packing (bases only), the delta packing (deltas and bridges) and each
+        payload's checksum, all on the host.
 
-        Deltas are packed on their device and folded into the running checksums here.
+        A base's checksum is computed in full; a delta's is folded from the change.
         """
         assert self._host is not None
-        packed, checksums = [], []
+        full: list[codec.Packed] | None = [] if job.header.kind == fmt.Kind.BASE else None
+        delta, checksums = [], []
         with self._host.stream(job.ready):
             for i, piece in enumerate(job.pieces):
-                if piece.change is None:
-                    assert piece.packed is not None and piece.checksum is not None
-                    packed.append(self._host.copy(piece.packed))
-                    checksums.append(piece.checksum)
-                    continue
-                change = piece.change
-                checksums.append(checksum_update(self._checksums[i], change.index, change.old, change.new))
-                packed.append(self._host.copy(codec.pack_delta(change, piece.whole)))
+                if piece.change is not None:
+                    delta.append(self._host.copy(codec.pack_delta(piece.change, piece.whole)))
+                if piece.snapshot is not None:
+                    assert full is not None
+                    full.append(self._host.copy(codec.pack_full(piece.snapshot)))
+                    checksums.append(checksum(piece.snapshot.view(torch.int16)))
+                else:
+                    change = piece.change
+                    assert change is not None
+                    checksums.append(checksum_update(self._checksums[i], change.index, change.old, change.new))
             self._host.synchronize()
-        return packed, checksums
+        self._checksums = checksums
+        return full, delta, checksums
 
 
-def _layout(cache: list[_Group], dtype: str) -> tuple[tuple[fmt.TensorEntry, ...], tuple[fmt.PayloadEntry, ...]]:
-    """The header's tensor entries and payload sizes for a cache: fixed until the next rebase."""
-    entries, payloads = [], []
-    for i, group in enumerate(cache):
-        at = 0
-        for spec in group.specs:
-            entries.append(fmt.TensorEntry(spec.name, dtype, spec.shape, spec.start, spec.numel, i, at))
-            at += spec.numel
-        payloads.append(fmt.PayloadEntry(0, 0, at, "", 0))  # the worker fills in the rest
-    return tuple(entries), tuple(payloads)
-
-
-def _groups(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[_Group]:
-    """Large slices alone, then the small ones of each device together."""
-    large = [_Group([spec], torch.empty(0)) for spec in specs if spec.numel > _SMALL]
+def _grouped(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[list[OwnedSlice]]:
+    """Large slices alone, then the small ones of each device together: the payloads."""
+    large = [[spec] for spec in specs if spec.numel > _SMALL]
     small: dict[torch.device, list[OwnedSlice]] = {}
     for spec in specs:
         if spec.numel <= _SMALL:
             small.setdefault(tensors[spec.name].device, []).append(spec)
-    return large + [_Group(group, torch.empty(0)) for group in small.values()]
+    return large + list(small.values())
 
 
 def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) -> None:
@@ -468,29 +505,79 @@ def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
     raise TypeError(f"tensors must be an nn.Module, a mapping or a callable, got {type(tensors).__name__}")
 
 
-def _claim(store: Store, run_id: str | None, rank: int, world_size: int, group: dist.ProcessGroup | None) -> str:
-    """The run id all ranks publish under, once rank 0 made the prefix this run's.
+_RankLayout = list[list[tuple[str, tuple[int, ...], int, int]]]  # payloads of (name, shape, start, numel)
 
-    Rank 0 creates the run manifest exclusively (a fresh run) or finds it naming `run_id` (a
-    resumed one); anything else is refused on every rank.  One collective, at construction only.
+
+def _manifest(run_id: str, layouts: list[_RankLayout], dtype: str) -> fmt.RunManifest:
+    """The run manifest of every rank's layout; ValueError if the ranks disagree on a tensor."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        for name, shape, _, _ in (s for payload in layout for s in payload):
+            if shapes.setdefault(name, shape) != shape:
+                raise ValueError(f"ranks disagree on the shape of {name}: {shapes[name]} and {shape}")
+    names = sorted(shapes)
+    index = {name: i for i, name in enumerate(names)}
+    return fmt.RunManifest(
+        run_id=run_id,
+        world_size=len(layouts),
+        created=time.time(),
+        tensors=tuple(fmt.TensorSpec(n, dtype, shapes[n]) for n in names),
+        ranks=tuple(
+            tuple(tuple(fmt.SliceSpec(index[n], start, numel) for n, _, start, numel in p) for p in layout)
+            for layout in layouts
+        ),
+    )
+
+
+def _claim(
+    store: Store,
+    run_id: str | None,
+    layout: _RankLayout,
+    dtype: str,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[str, str]:
+    """(run id, manifest SHA-256) all ranks publish under, once rank 0 made the prefix this run's.
+
+    Rank 0 gathers every rank's layout and creates the run manifest exclusively (a fresh run), or
+    finds it naming `run_id` with the same layout (a resumed one); anything else is refused on
+    every rank.  Two collectives, at construction only.
     """
-    outcome = ["", ""]  # run id, or the error every rank raises
+    collective = group is not None and dist.get_world_size(group) > 1
+    layouts: list[_RankLayout | None] = [None] * world_size if rank == 0 else []
+    if collective:
+        dist.gather_object(layout, layouts if rank == 0 else None, dst=dist.get_global_rank(group, 0), group=group)
+    else:
+        layouts = [layout]
+    outcome = ["", "", ""]  # run id, manifest digest, or the error every rank raises
     if rank == 0:
         wanted = fmt.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex
-        found = store.claim(wanted, world_size)
-        if found.run_id != wanted:
-            outcome[1] = (
-                f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
-                f"or pass run_id={found.run_id!r} to continue that run"
-            )
-        elif found.world_size != world_size:
-            outcome[1] = f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {world_size}"
-        outcome[0] = wanted
-    if group is not None and dist.get_world_size(group) > 1:
+        try:
+            manifest = _manifest(wanted, [lay for lay in layouts if lay is not None], dtype)
+            manifest.check()
+        except ValueError as err:
+            outcome[2] = f"this model cannot be published as one run: {err}"
+        else:
+            found = store.claim(manifest)
+            outcome[:2] = [wanted, found.sha256]
+            if found.run_id != wanted:
+                outcome[2] = (
+                    f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
+                    f"or pass run_id={found.run_id!r} to continue that run"
+                )
+            elif found.world_size != world_size:
+                outcome[2] = f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {world_size}"
+            elif (found.manifest.tensors, found.manifest.ranks) != (manifest.tensors, manifest.ranks):
+                outcome[2] = (
+                    f"run {wanted} in {store.url} was published with another layout (tensor names, shapes, "
+                    "dtype or sharding differ): a run has one layout; start a new run under a new prefix"
+                )
+    if collective:
         dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-    if outcome[1]:
-        raise PublishError(outcome[1])
-    return outcome[0]
+    if outcome[2]:
+        raise PublishError(outcome[2])
+    return outcome[0], outcome[1]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

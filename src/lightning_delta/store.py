@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from . import format as fmt
 from .errors import DeltaError, FormatError, SnapshotNotFoundError, StoreError
+from .paths import PartRef
 
 __all__ = ["Store", "as_store"]
 
@@ -51,8 +51,11 @@ class Store:
         self._said_slow = False
         self._root = self._root.rstrip("/")
         self._local = isinstance(self._fs, LocalFileSystem)
-        self._manifest: fmt.RunManifest | None = None
+        self._run: fmt.Run | None = None
         self._ignored: set[tuple[str, str]] = set()
+        self.bytes_read = 0
+        """Bytes of every object read so far (markers, headers, blobs, the manifest): what a
+        reader's traffic is, counted in one place."""
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -69,10 +72,14 @@ class Store:
         try:
             with self._request(f"reading {key}"):
                 if limit is None:
-                    return self._fs.cat_file(self._path(key))
-                data = self._fs.cat_file(self._path(key), start=0, end=limit + 1)
+                    data = self._fs.cat_file(self._path(key))
+                else:
+                    data = self._fs.cat_file(self._path(key), start=0, end=limit + 1)
         except (IsADirectoryError, NotADirectoryError):
             raise FormatError(f"{self.url}/{key} is a folder, not an object") from None
+        self.bytes_read += len(data)
+        if limit is None:
+            return data
         if len(data) > limit:
             raise FormatError(f"{self.url}/{key} is larger than the {limit} bytes expected")
         return data
@@ -159,16 +166,17 @@ class Store:
 
     # ------------------------------------------------------------------ commit protocol
 
-    def commit_part(self, step: int, rank: int, world_size: int, blob: bytes) -> None:
+    def commit_part(self, header: fmt.PartHeader, blob: bytes, *, bridge: bool = False) -> None:
         """Publish one rank's part: the blob first, then the marker that makes it count.
 
         Both are created exclusively, so two publishers can never interleave one chain: the
         second to reach a step gets FileExistsError and the first one's part stays intact.
         """
-        key = fmt.blob_path(step, rank, world_size)
+        where = (header.step, header.rank, header.world_size)
+        key = fmt.blob_path(*where, bridge=bridge)
         try:
             self.write(key, blob, exclusive=True)
-            self.write(fmt.commit_path(step, rank, world_size), fmt.encode_commit(blob), exclusive=True)
+            self.write(fmt.commit_path(*where, bridge=bridge), fmt.encode_commit(blob, header), exclusive=True)
         except FileExistsError:
             raise FileExistsError(
                 f"{self.url}/{key} already exists: another publisher wrote this step of the chain; "
@@ -177,43 +185,46 @@ class Store:
 
     # ------------------------------------------------------------------ the run
 
-    def manifest(self) -> fmt.RunManifest | None:
+    def manifest(self) -> fmt.Run | None:
         """The run that owns this prefix; None while no publisher has claimed it.
 
         It is never rewritten, so once read it is kept.
         """
-        if self._manifest is None:
+        if self._run is None:
             try:
                 data = self.read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES)
             except FileNotFoundError:
                 return None
-            self._manifest = fmt.decode_manifest(data)
-        return self._manifest
+            try:
+                self._run = fmt.decode_manifest(data)
+            except FormatError as err:
+                raise FormatError(f"{self.url}/{fmt.RUN_MANIFEST}: {err}") from None
+        return self._run
 
-    def claim(self, run_id: str, world_size: int) -> fmt.RunManifest:
-        """Make this prefix `run_id`'s: create its manifest, or find it there already.
+    def claim(self, manifest: fmt.RunManifest) -> fmt.Run:
+        """Make this prefix `manifest`'s run: create the manifest, or find one there already.
 
-        Returns the manifest in the store, which names another run if the prefix was taken.
+        Returns the run in the store, which is another one if the prefix was taken.
         """
-        manifest = fmt.RunManifest(run_id, world_size, time.time())
+        data = fmt.encode_manifest(manifest)
         try:
-            self.write(fmt.RUN_MANIFEST, fmt.encode_manifest(manifest), exclusive=True)
+            self.write(fmt.RUN_MANIFEST, data, exclusive=True)
         except FileExistsError:
             found = self.manifest()
             assert found is not None  # created exclusively, never deleted
             return found
-        self._manifest = manifest
-        return manifest
+        self._run = fmt.decode_manifest(data)
+        return self._run
 
     # ------------------------------------------------------------------ listing
 
     def committed_ranks(self, step: int) -> dict[int, set[int]]:
-        """world_size -> ranks whose part of `step` is committed."""
+        """world_size -> ranks whose part of `step` is committed (bridges aside)."""
         ranks: dict[int, set[int]] = defaultdict(set)
         for name in self.list(fmt.step_dir(step)):
             parsed = fmt.parse_part_name(name)
-            if parsed:
-                ranks[parsed[1]].add(parsed[0])
+            if parsed and not parsed.bridge:
+                ranks[parsed.world_size].add(parsed.rank)
         return ranks
 
     def is_complete(self, step: int, world_size: int) -> bool:
@@ -247,36 +258,61 @@ class Store:
 
     # ------------------------------------------------------------------ parts
 
-    def read_marker(self, step: int, rank: int, world_size: int) -> fmt.CommitMarker:
-        where = fmt.commit_path(step, rank, world_size)
+    def read_marker(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.CommitMarker:
+        where = fmt.commit_path(step, rank, world_size, bridge=bridge)
         try:
-            return fmt.decode_commit(self.read(where, fmt.MAX_MARKER_BYTES))
+            marker = fmt.decode_commit(self.read(where, fmt.MAX_MARKER_BYTES))
         except FileNotFoundError:
             raise SnapshotNotFoundError(f"{self.url}/{where} does not exist: the part is not committed") from None
         except FormatError as err:
             raise FormatError(f"{self.url}/{where}: {err}") from None
+        if marker.prev_step is not None and marker.prev_step >= step:
+            raise FormatError(f"{self.url}/{where}: a delta at step {step} against the later step {marker.prev_step}")
+        return marker
 
-    def read_header(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, int]:
-        """A committed part's header and blob size, with two ranged reads; nothing is verified
-        beyond the header's own rules (use `read_part` before trusting any values)."""
-        size = self.read_marker(step, rank, world_size).size
-        where = fmt.blob_path(step, rank, world_size)
+    def part_refs(self, step: int, rank: int, world_size: int) -> list[PartRef]:
+        """What a rank committed at `step`, from its markers: its part and, beside a base, its
+        bridge if it wrote one.  Empty if the rank's part is not committed."""
+        try:
+            marker = self.read_marker(step, rank, world_size)
+        except SnapshotNotFoundError:
+            return []
+        refs = [PartRef(step, marker.kind, marker.prev_step, marker.size)]
+        if marker.kind == fmt.Kind.BASE:
+            with contextlib.suppress(SnapshotNotFoundError):
+                bridge = self.read_marker(step, rank, world_size, bridge=True)
+                if bridge.kind == fmt.Kind.DELTA:
+                    refs.append(PartRef(step, bridge.kind, bridge.prev_step, bridge.size, bridge=True))
+        return refs
+
+    def read_head(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Head:
+        """A committed part's header and payload table, with two ranged reads; nothing is
+        verified beyond their own rules (`read_blob` and `parse_part` check the rest)."""
+        size = self.read_marker(step, rank, world_size, bridge=bridge).size
+        where = fmt.blob_path(step, rank, world_size, bridge=bridge)
         try:
             with self._request(f"reading {where}"):
                 prefix = self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES)
-                end = fmt.header_end(prefix, size)
+                end = fmt.head_end(prefix, size)
                 head = self._fs.cat_file(self._path(where), start=0, end=end)
-            header = fmt.decode_header(head)
+            self.bytes_read += len(prefix) + len(head)
+            if len(head) != end:
+                raise FormatError(f"object is shorter than its commit marker says ({size} bytes)")
+            parsed = fmt.decode_head(head)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
         except FormatError as err:
             raise FormatError(f"{self.url}/{where}: {err}") from None
-        return self._placed(header, step, rank, world_size), size
+        self._placed(parsed.header, step, rank, world_size, where)
+        return parsed
 
-    def read_blob(self, step: int, rank: int, world_size: int) -> bytes:
-        """A committed part's bytes, checked against its marker (size and SHA-256)."""
-        marker = self.read_marker(step, rank, world_size)
-        where = fmt.blob_path(step, rank, world_size)
+    def read_blob(self, ref: PartRef, rank: int, world_size: int) -> bytes:
+        """A committed part's bytes, checked against its marker (size and SHA-256), which must
+        still say what `ref` says."""
+        marker = self.read_marker(ref.step, rank, world_size, bridge=ref.bridge)
+        where = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
+        if (marker.kind, marker.prev_step, marker.size) != (ref.kind, ref.prev_step, ref.size):
+            raise FormatError(f"{self.url}/{where}: its commit marker changed while it was read")
         try:
             blob = self.read(where, marker.size)
         except FileNotFoundError:
@@ -284,22 +320,27 @@ class Store:
         fmt.verify_blob(blob, marker, f"{self.url}/{where}")
         return blob
 
-    def read_part(self, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
-        """A committed part, checked against its marker, with its header validated."""
-        return self.parse_part(self.read_blob(step, rank, world_size), step, rank, world_size)
+    def read_part(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Part:
+        """A committed part, checked against its marker and parsed (what tools and tests read)."""
+        marker = self.read_marker(step, rank, world_size, bridge=bridge)
+        ref = PartRef(step, marker.kind, marker.prev_step, marker.size, bridge)
+        return self.parse_part(self.read_blob(ref, rank, world_size), ref, rank, world_size)
 
-    def parse_part(self, blob: bytes, step: int, rank: int, world_size: int) -> tuple[fmt.PartHeader, memoryview]:
-        """Header and payload area of the blob of a part, which must belong where it claims."""
+    def parse_part(self, blob: bytes, ref: PartRef, rank: int, world_size: int) -> fmt.Part:
+        """The parsed blob of a part, which must be what its marker says and where it was found."""
+        where = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
         try:
-            header, payload = fmt.decode_blob(blob)
+            part = fmt.decode_blob(blob)
         except FormatError as err:
-            raise FormatError(f"{self.url}/{fmt.blob_path(step, rank, world_size)}: {err}") from None
-        return self._placed(header, step, rank, world_size), payload
+            raise FormatError(f"{self.url}/{where}: {err}") from None
+        header = self._placed(part.header, ref.step, rank, world_size, where)
+        if (header.kind, header.prev_step) != (ref.kind, ref.prev_step):
+            raise FormatError(f"{self.url}/{where}: its header and its commit marker disagree on what it is")
+        return part
 
-    def _placed(self, header: fmt.PartHeader, step: int, rank: int, world_size: int) -> fmt.PartHeader:
+    def _placed(self, header: fmt.PartHeader, step: int, rank: int, world_size: int, where: str) -> fmt.PartHeader:
         """`header`, if it belongs where it was found (a copied or foreign object does not)."""
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
-            where = fmt.blob_path(step, rank, world_size)
             raise FormatError(f"{self.url}/{where} holds step {header.step} rank {header.rank} of {header.world_size}")
         return header
 
@@ -308,7 +349,7 @@ class Store:
     def is_base_step(self, step: int, world_size: int) -> bool:
         """Whether `step` is complete and every rank's part of it is a base: a chain starts there."""
         return self.is_complete(step, world_size) and all(
-            self.read_header(step, rank, world_size)[0].kind == fmt.Kind.BASE for rank in range(world_size)
+            self.read_marker(step, rank, world_size).kind == fmt.Kind.BASE for rank in range(world_size)
         )
 
     def collect(self, keep_bases: int, *, dry_run: bool = False) -> list[int]:
