@@ -313,3 +313,50 @@ def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_ur
 def test_a_cuda_loader_without_cuda_fails_at_construction(store_url):
     with pytest.raises(ValueError, match="no CUDA device"):
         DeltaLoader(store_url, device="cuda")
+
+
+def test_an_in_sync_follower_never_reads_a_base_after_its_first(store_url):
+    truth = published_run(store_url, 12, base_every=5)  # bases 1, 6, 11; bridges at 6 and 11
+    store = Store(store_url)
+    assert [s for s in range(1, 13) if store.part_refs(s, 0, 1)[-1].bridge] == [6, 11]
+    base_bytes = min(store.part_refs(s, 0, 1)[0].size for s in (1, 6, 11))
+    loader = DeltaLoader(store_url)
+    for step in range(1, 13):
+        assert_state(loader.state_dict(step)[1], truth[step])
+        report = loader.last_report
+        assert report.parts_read == 1
+        assert (report.bytes_read > base_bytes) == (step == 1), step  # markers, manifest and one small part
+
+
+def test_a_late_joiner_reads_one_base_and_the_deltas_after_it(store_url):
+    truth = published_run(store_url, 9, base_every=5)
+    store = Store(store_url)
+    expected = sum(store.part_refs(s, 0, 1)[0].size for s in (6, 7, 8, 9))
+    loader = DeltaLoader(store_url)
+    loader.steps()  # the manifest
+    assert_state(loader.state_dict(9)[1], truth[9])
+    markers = loader.last_report.bytes_read - expected  # one a part, and the bridge's beside the base
+    assert loader.last_report.parts_read == 4 and 0 < markers < 5 * 200
+
+
+def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url):
+    """A bridge would link to a part that was never committed: the next base comes alone."""
+    store = FailingStore(store_url, fail_from=10**9)
+    tensors = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    truth = {}
+    with DeltaPublisher(store, lambda: tensors, base_every=2) as pub:  # bases 1, 3, 5
+        for step in (1, 2, 3, 4):
+            tensors["w"][step * 10] += 1
+            truth[step] = tensors["w"].clone()
+            store.fail_from = store.writes + 1 if step == 2 else 10**9
+            pub.publish(step)
+            if step == 2:
+                with pytest.raises(PublishError):
+                    pub.flush()
+            pub.flush()
+    refs = {s: Store(store_url).part_refs(s, 0, 1) for s in (1, 3, 4)}
+    assert [r.bridge for r in refs[3]] == [False]  # a rebase: step 2 never committed
+    loader = DeltaLoader(store_url)
+    assert loader.steps() == [1, 3, 4]
+    for step in (1, 3, 4):
+        assert torch.equal(loader.state_dict(step)[1]["w"], truth[step])

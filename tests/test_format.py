@@ -10,7 +10,6 @@ from lightning_delta import format as fmt
 from lightning_delta import records
 from lightning_delta.errors import ChecksumError, FormatError
 
-
 DIGEST = "ab" * 32
 
 

@@ -263,9 +263,7 @@ class DeltaLoader:
             if bar is not None:
                 bar.close()
 
-    def _walk(
-        self, step: int, rank: int, world: int, from_held: bool, bar: Any = None
-    ) -> list[tuple[bytes, fmt.Part]]:
+    def _walk(self, step: int, rank: int, world: int, from_held: bool, bar: Any = None) -> list[tuple[bytes, fmt.Part]]:
         """Fetch the cheapest path from the state held (or a base) to `step`: markers first, to
         plan, then only the blobs on the path."""
         held = self._states.get((rank, world)) if from_held else None

@@ -27,6 +27,7 @@ class PartRef:
     prev_step: int | None  # None for a base
     size: int  # bytes of its blob: what fetching it costs
     bridge: bool = False  # the delta written beside a base
+    sha256: str = ""  # of its blob, from the marker: what the fetched bytes are checked against
 
 
 def cheapest_path(target: int, held: int | None, parts_at: Callable[[int], Sequence[PartRef]]) -> list[PartRef]:

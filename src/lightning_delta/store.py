@@ -277,12 +277,12 @@ class Store:
             marker = self.read_marker(step, rank, world_size)
         except SnapshotNotFoundError:
             return []
-        refs = [PartRef(step, marker.kind, marker.prev_step, marker.size)]
+        refs = [_ref(step, marker, bridge=False)]
         if marker.kind == fmt.Kind.BASE:
             with contextlib.suppress(SnapshotNotFoundError):
                 bridge = self.read_marker(step, rank, world_size, bridge=True)
                 if bridge.kind == fmt.Kind.DELTA:
-                    refs.append(PartRef(step, bridge.kind, bridge.prev_step, bridge.size, bridge=True))
+                    refs.append(_ref(step, bridge, bridge=True))
         return refs
 
     def read_head(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Head:
@@ -307,23 +307,19 @@ class Store:
         return parsed
 
     def read_blob(self, ref: PartRef, rank: int, world_size: int) -> bytes:
-        """A committed part's bytes, checked against its marker (size and SHA-256), which must
-        still say what `ref` says."""
-        marker = self.read_marker(ref.step, rank, world_size, bridge=ref.bridge)
+        """A committed part's bytes, checked against its marker (size and SHA-256) as `ref`
+        carries it from `part_refs`."""
         where = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
-        if (marker.kind, marker.prev_step, marker.size) != (ref.kind, ref.prev_step, ref.size):
-            raise FormatError(f"{self.url}/{where}: its commit marker changed while it was read")
         try:
-            blob = self.read(where, marker.size)
+            blob = self.read(where, ref.size)
         except FileNotFoundError:
             raise FormatError(f"{self.url}/{where} is committed but missing") from None
-        fmt.verify_blob(blob, marker, f"{self.url}/{where}")
+        fmt.verify_blob(blob, fmt.CommitMarker(ref.size, ref.sha256, ref.kind, ref.prev_step), f"{self.url}/{where}")
         return blob
 
     def read_part(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Part:
         """A committed part, checked against its marker and parsed (what tools and tests read)."""
-        marker = self.read_marker(step, rank, world_size, bridge=bridge)
-        ref = PartRef(step, marker.kind, marker.prev_step, marker.size, bridge)
+        ref = _ref(step, self.read_marker(step, rank, world_size, bridge=bridge), bridge=bridge)
         return self.parse_part(self.read_blob(ref, rank, world_size), ref, rank, world_size)
 
     def parse_part(self, blob: bytes, ref: PartRef, rank: int, world_size: int) -> fmt.Part:
@@ -382,6 +378,10 @@ class Store:
 
 
 SLOW_SECONDS = 10
+
+
+def _ref(step: int, marker: fmt.CommitMarker, *, bridge: bool) -> PartRef:
+    return PartRef(step, marker.kind, marker.prev_step, marker.size, bridge, marker.sha256)
 
 
 def _failure(err: Exception) -> str | None:
