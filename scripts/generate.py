@@ -68,7 +68,7 @@ def main(raw: DictConfig) -> None:
         tokens = greedy(model, prompt, cfg.new_tokens, cfg.model.context)
         # The probe's mean log-prob moves every step: the weights change although greedy tokens rarely do.
         print(
-            f"{r.step:5d} {r.kind.value:>5} {followed.behind:6d} {r.payload_bytes / 1024:8.1f}KiB "
+            f"{r.step:5d} {r.kind.value:>5} {followed.behind:6d} {r.bytes_read / 1024:8.1f}KiB "
             f"{r.seconds * 1e3:7.1f}ms {swap * 1e3:6.2f}ms {error} {float(logprobs.mean()):10.6f}  {tokens}"
         )
         applied += 1

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from lightning_delta import Store
 from lightning_delta.config import TrainConfig, register_configs
 from lightning_delta.format import Kind
+from lightning_delta.traffic import stored_bytes, window_cost
 from tinylm import probe_batch, probe_logprobs, tiny_llama
 
 register_configs()
@@ -89,19 +90,23 @@ def main(raw: DictConfig) -> None:
 
 
 def summarize(store: Store) -> None:
-    """One line per kind: how much the chain holds against shipping the full model every step."""
+    """What the chain stores per kind of step, and what a follower of every step moved, against
+    shipping the full model every step (bytes of objects: parts, bridges and markers)."""
     steps = store.published_steps()
-    headers = [store.read_part(s, 0, 1).header for s in steps]
-    dense = 2 * headers[0].numel
+    world = store.manifest().world_size
+    cost = window_cost(store, steps, None)
+    refs = {s: [r for rank in range(world) for r in store.part_refs(s, rank, world)] for s in steps}
     for kind in Kind:
-        sizes = [h.payload_bytes for h in headers if h.kind == kind]
+        sizes = [stored_bytes(refs[s]) for s in steps if refs[s][0].kind == kind]
         if sizes:
             mean = sum(sizes) / len(sizes)
-            share = 100 * mean / dense
-            print(f"{kind.value:>5}: {len(sizes):3d} steps, {mean / 1024:8.1f} KiB each ({share:5.2f}% of bf16)")
-    total = sum(h.payload_bytes for h in headers)
-    full = len(steps) * dense
-    print(f"published {len(steps)} steps to {store.url}: {total / 1024:.1f} KiB vs {full / 1024:.1f} KiB full")
+            share = 100 * mean / cost.dense_bytes
+            print(f"{kind.value:>5}: {len(sizes):3d} steps, {mean / 1024:8.1f} KiB stored each ({share:5.2f}% of bf16)")
+    print(
+        f"published {len(steps)} steps to {store.url}: {cost.stored / 1024:.1f} KiB stored; a follower of every "
+        f"step moves {cost.in_sync / 1024:.1f} KiB, {100 * cost.share(cost.in_sync):.2f}% of the full model "
+        f"every step ({cost.full_every_step / 1024:.1f} KiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     lightning-delta inspect STORE                 # the chain as a table, damaged steps marked
     lightning-delta verify STORE [--step N]       # every link and checksum; exit 0 only if clean
     lightning-delta materialize STORE --step N OUT.safetensors [--force]
-    lightning-delta cost STORE --regions 3 [--window W]
+    lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
 
 Every command takes `--json` and `--storage-options JSON` (fsspec options, e.g. an S3 endpoint;
@@ -45,33 +45,37 @@ def open_run(args: argparse.Namespace) -> tuple[Store, RunManifest]:
 
 
 def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
-    """One row of `inspect`: what the step's committed parts hold, from their headers alone.
+    """One row of `inspect`: what the step's committed parts hold, from markers and headers alone.
 
-    A step whose headers cannot be read is a row marked `damaged`, not the end of the table."""
+    `bytes` counts every object stored for the step (parts, bridges, markers); `bridge_bytes` the
+    bridges among them.  A step whose objects cannot be read is a row marked `damaged`, not the
+    end of the table."""
+    from .traffic import stored_bytes
+
     if not store.is_complete(step, world):
         committed = {w: len(r) for w, r in store.committed_ranks(step).items()}
         return {"step": step, "complete": False, "committed_ranks": committed}
-    headers, size = [], 0
+    run = store.manifest()
+    assert run is not None
     try:
-        for rank in range(world):
-            header, blob_size = store.read_header(step, rank, world)
-            headers.append(header)
-            size += blob_size
+        refs = [r for rank in range(world) for r in store.part_refs(step, rank, world)]
+        heads = [store.read_head(step, rank, world) for rank in range(world)]
     except DeltaError as err:
         return {"step": step, "complete": True, "damaged": f"{type(err).__name__}: {err}"}
-    kinds = {h.kind.value for h in headers}
-    numel = sum(h.numel for h in headers)
-    changed = sum(h.changed for h in headers)
+    kinds = {h.header.kind.value for h in heads}
+    numel = sum(run.numel(rank) for rank in range(world))
+    size = stored_bytes(refs)
     return {
         "step": step,
         "complete": True,
         "kind": kinds.pop() if len(kinds) == 1 else "mixed",
         "world_size": world,
         "bytes": size,
+        "bridge_bytes": stored_bytes([r for r in refs if r.bridge]),
         "dense_bytes": 2 * numel,
-        "changed_fraction": changed / numel if numel else 0.0,
+        "changed_fraction": sum(h.changed for h in heads) / numel if numel else 0.0,
         "ratio_to_full": size / (2 * numel) if numel else 0.0,
-        "created": max(h.created for h in headers),
+        "created": max(h.header.created for h in heads),
     }
 
 
@@ -145,41 +149,45 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    rows = [r for r in _rows(args) if r["complete"] and "damaged" not in r]
-    if not rows:
+    from .traffic import window_cost
+
+    store, _ = open_run(args)
+    rows = [r for r in _rows(args) if r["complete"]]
+    readable = [r["step"] for r in rows if "damaged" not in r]
+    if not readable:
         raise SnapshotNotFoundError(f"no complete, readable step in {args.store}")
-    window = rows[-args.window :] if args.window else rows
-    w, full = len(window), window[-1]["dense_bytes"]
-    shipped = sum(r["bytes"] for r in window)
-    bases = [r for r in window if r["kind"] == "base"]
-    deltas = [r for r in window if r["kind"] != "base"]
-    f = len(bases)
-    delta = sum(r["bytes"] for r in deltas) / len(deltas) / full if deltas else 0.0
+    window = readable[-args.window :] if args.window else readable
+    earlier = [s for s in readable if s < window[0]]
+    cost = window_cost(store, window, earlier[-1] if earlier else None, args.join)
+    full = cost.full_every_step
+    readers = {
+        "full_every_step": full,
+        "in_sync_follower": cost.in_sync,
+        f"late_joiner_at_{cost.join}": cost.late_joiner,
+        "stored": cost.stored,
+    }
     report = {
-        "window_steps": w,
+        "window_steps": len(window),
         "regions": args.regions,
-        "full_model_bytes": full,
-        "full_every_step": {"per_region": w * full, "total": w * full * args.regions},
-        "this_chain": {"per_region": shipped, "total": shipped * args.regions},
-        # One definition of the saving: bytes this chain stores (and a reader of every step moves)
-        # against the full model every step.  The seed's formula is shown beside it as a share of
-        # full, with its own assumptions (bases as large as the full model, the mean delta).
-        "share_of_full": shipped / (w * full),
-        "saved": 1 - shipped / (w * full),
-        "formula": {"f": f, "W": w, "delta": delta, "share_of_full": (f + (w - f) * delta) / w},
+        "full_model_bytes": cost.dense_bytes,
+        # One definition everywhere: bytes of objects moved (parts and commit markers), as a share
+        # of shipping the full model every step.  The seed's formula beside it, as it defines it.
+        "readers": {
+            name: {"per_region": value, "total": value * args.regions, "share_of_full": cost.share(value)}
+            for name, value in readers.items()
+        },
+        "formula": {"f": cost.bases, "W": len(window), "delta": cost.mean_delta, "share_of_full": cost.formula},
     }
     if args.json:
         return _emit(report)
-    print(f"window: {w} steps, {args.regions} regions, full model {full:,d} bytes (bf16)")
-    print(f"{'':24}{'per region':>18}{'total':>18}")
-    print(f"{'full model every step':24}{w * full:18,d}{w * full * args.regions:18,d}")
-    print(f"{'this chain':24}{shipped:18,d}{shipped * args.regions:18,d}")
+    print(f"window: {len(window)} steps, {args.regions} regions, full model {cost.dense_bytes:,d} bytes (bf16)")
+    print(f"{'':26}{'per region':>18}{'total':>18}{'of full':>10}")
+    for name, value in readers.items():
+        label = name.replace("_", " ")
+        print(f"{label:26}{value:18,d}{value * args.regions:18,d}{100 * cost.share(value):9.2f}%")
     print(
-        f"this chain moves {100 * report['share_of_full']:.2f}% of full-every-step: saved {100 * report['saved']:.2f}%"
-    )
-    print(
-        f"seed's formula [f + (W - f) * delta] / W with f={f}, W={w}, measured delta={delta:.4f} "
-        f"(bases counted as full): {100 * report['formula']['share_of_full']:.2f}% of full"
+        f"seed's formula [f + (W - f) * delta] / W with f={cost.bases}, W={len(window)}, measured "
+        f"delta={cost.mean_delta:.4f} (bases counted as full): {100 * cost.formula:.2f}% of full"
     )
     return 0
 
@@ -245,6 +253,7 @@ def parser() -> argparse.ArgumentParser:
     cost = command("cost", "traffic of this chain vs shipping the full model every step", _cost)
     cost.add_argument("--regions", type=int, required=True, help="rollout regions that each download the chain")
     cost.add_argument("--window", type=int, help="the last W complete steps (default: all)")
+    cost.add_argument("--join", type=int, help="the step a late joiner starts at (default: the window's last)")
     gc = command("gc", "delete steps older than the K newest complete bases", _gc)
     gc.add_argument("--keep-bases", type=int, required=True)
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
