@@ -99,12 +99,14 @@ class TimedDeltaCallback(DeltaCallback):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.blocked: list[float] = []
+        self.blocked_at: dict[int, float] = {}  # step -> seconds
         self.uploads: dict[int, float] = {}  # step -> worker ms
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         started = time.perf_counter()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.blocked.append(time.perf_counter() - started)
+        self.blocked_at[trainer.global_step] = self.blocked[-1]
         if self.publisher is not None and self.publisher.last_upload is not None:
             self.uploads[self.publisher.last_upload.step] = self.publisher.last_upload.upload_ms
 
@@ -128,14 +130,18 @@ def train(args: argparse.Namespace, callbacks: list[pl.Callback]) -> Policy:
     return module
 
 
-def bare_diff_seconds(module: Policy, previous: dict[str, torch.Tensor], repeats: int = 5) -> float:
-    """Median time to cast the live weights to bf16 and diff them against `previous`."""
+def bare_diff_seconds(module: Policy, previous: dict[str, torch.Tensor], repeats: int = 5, copy: bool = False) -> float:
+    """Median time to cast the live weights to bf16 and diff them against `previous` (and, for
+    a base step, take the device-side copy of the shard the worker packs)."""
     live = named_tensors(module.policy)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         for name, tensor in live.items():
-            codec.diff(previous[name].flatten(), tensor.detach().flatten().to(torch.bfloat16))
+            new = tensor.detach().flatten().to(torch.bfloat16)
+            codec.diff(previous[name].flatten(), new)
+            if copy:
+                new.clone()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -166,7 +172,7 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}"
     )
 
-    without, with_cb, blocked, worker = [], [], [], []
+    without, with_cb, blocked, worker, at_bases = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             # Alternate which run goes first, so that drift of the machine's speed cancels out.
@@ -180,11 +186,14 @@ def main() -> None:
                 module = train(args, [clock, delta])
                 with_cb.append(statistics.median(clock.step_seconds(args.warmup)))
                 blocked += delta.blocked[args.warmup :]
+                # Base steps after the first (1 + k * base_every): a bridge diff plus a device copy.
+                at_bases += [t for s, t in delta.blocked_at.items() if s > 1 and (s - 1) % args.base_every == 0]
                 worker += [ms for step, ms in delta.uploads.items() if step > args.warmup]
             print(f"round {round_ + 1}: median step {without[-1]:.3f} s without, {with_cb[-1]:.3f} s with the callback")
         loader = DeltaLoader(f"{tmp}/chain{args.rounds - 1}")
         _, previous = loader.state_dict(loader.steps()[-2])
         bare = bare_diff_seconds(module, previous)
+        bare_base = bare_diff_seconds(module, previous, copy=True)
 
     base, ours, held = statistics.median(without), statistics.median(with_cb), statistics.median(blocked)
     ratio = statistics.median(b / a for a, b in zip(without, with_cb, strict=True))
@@ -196,6 +205,12 @@ def main() -> None:
         f"{bare * 1e3:.1f} ms; ratio {held / bare:.2f}"
     )
     print(f"worker thread per step (median): {statistics.median(worker):.1f} ms (pack, copy, compress, hash, write)")
+    if at_bases:
+        print(
+            f"blocked at base steps after the first (median of {len(at_bases)}): "
+            f"{statistics.median(at_bases) * 1e3:.1f} ms; bare cast + diff + device copy of the shard: "
+            f"{bare_base * 1e3:.1f} ms (packing, checksum and compression run on the worker threads)"
+        )
 
     if args.slow_store:
         slowed(args, base)

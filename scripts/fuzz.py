@@ -110,7 +110,7 @@ def _judge(run: Callable[[], str], expected_bytes: int, limit: float) -> tuple[s
 
 
 def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, bytes]]:
-    """(old, new, payload) seeds: RAW and SPARSE, every compressor, several densities and sizes."""
+    """(old, new, payload) seeds: RAW (both codings) and SPARSE, every compressor, several densities and sizes."""
     g = torch.Generator().manual_seed(seed)
     corpus = []
     for n in (0, 1, 7, 100, 1000, 4096, 5000, 20000):
@@ -124,8 +124,10 @@ def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, byt
             for compressor in codec.Compressor:
                 options = codec.CodecOptions(compressor)
                 corpus.append((old, new, codec.encode(old, new, options)))
-                if density == 1.0:
+                if density == 1.0:  # bases: bfloat16 (EXPONENT) and float16 (byte planes) codings
                     corpus.append((None, new, codec.encode(None, new, options)))
+                    half = new.float().to(torch.float16)
+                    corpus.append((None, half, codec.encode(None, half, options)))
     return corpus
 
 

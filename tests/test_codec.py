@@ -144,8 +144,14 @@ def test_golden_bytes_pin_the_format():
         "00"
         "00"  # no magnitudes
     )
-    base = codec.encode(None, old[:2], CodecOptions(Compressor.NONE))
-    assert base.hex() == "4c444301000000010202000002800000023f40"
+    base = codec.encode(None, as_tensor([0x3F80, 0xC001], torch.bfloat16), CodecOptions(Compressor.NONE))
+    assert base.hex() == (
+        "4c44430100020001020200"  # magic, RAW, EXPONENT, l=0, bfloat16; n=2, m=2, k=0
+        "00027f80"  # exponent bytes: 0x7F, 0x80
+        "00020081"  # sign and mantissa bytes: +0x00, -0x01
+    )
+    half = codec.encode(None, as_tensor([0x3C00, 0xC001], torch.float16), CodecOptions(Compressor.NONE))
+    assert half.hex() == "4c444301000000020202000002000100023cc0"  # float16: low, then high byte plane
 
 
 def test_api_refuses_wrong_inputs():
