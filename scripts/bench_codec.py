@@ -10,6 +10,13 @@ m * H(value change), with H the empirical entropy of `new - old mod 2**16`, summ
 It also prints the same bound with mask and value conditioned on the old value's exponent (which a
 decoder knows): a lower limit for exponent-conditioned coding, which pays no table cost.
 Speeds are MB/s of dense bf16 input on one thread, next to a memcpy of the same bytes.
+
+Peers, where the benchmark-only extra is installed (`pip install -e '.[bench]'`): the seed's codec,
+Fireworks' `fireworks-delta-compression` (`arc_v3`, and `arc_v2`, dense XOR + zstd), and ZipNN for
+bases.  arc_v3 races its candidates on threads of its own and keeps the first that finishes within
+`ARC3_CANDIDATE_WAIT_MULTIPLIER` times the fastest; this run lets every candidate finish, its best
+case.  Its wire format unpickles payloads (`pickle.loads` on stored bytes); ours never executes
+stored bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+
+os.environ.setdefault("ARC3_CANDIDATE_WAIT_MULTIPLIER", "1e9")  # read at import: every candidate finishes
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +109,55 @@ def _xor_decode(old: torch.Tensor, payload: bytes) -> torch.Tensor:
     return _tensor(_bits(old) ^ np.frombuffer(lz4.frame.decompress(payload), np.int16), old)
 
 
+def peers() -> list[Method]:
+    """The seed's codec and ZipNN, if the benchmark extra is installed."""
+    found = []
+    try:
+        import fireworks_delta_compression as fdc
+    except ImportError:
+        print("fireworks-delta-compression is not installed: no arc_v3/arc_v2 rows (pip install -e '.[bench]')")
+    else:
+        checksums: dict[int, object] = {}
+
+        def fireworks(fmt: str) -> Method:
+            def encode(old: torch.Tensor, new: torch.Tensor) -> bytes:
+                payload, checksum = fdc.delta_compress(src=old, dst=new, compression_format=fmt)
+                data = payload.numpy().tobytes()
+                checksums[hash(data)] = checksum
+                return data
+
+            def decode(old: torch.Tensor, payload: bytes) -> torch.Tensor:
+                diff = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                checksum = checksums[hash(payload)]
+                return fdc.delta_decompress(src=old, compressed_diff=diff, checksum=checksum, compression_format=fmt)
+
+            return Method(f"fireworks {fmt} (seed's codec)", encode, decode)
+
+        found += [fireworks("arc_v3"), fireworks("arc_v2")]
+    return found
+
+
+def base_methods() -> list[Method]:
+    """Ways to store a whole tensor (a base): ours, ZipNN if installed, byte-plane-free zstd."""
+    found = [
+        Method("lightning_delta base", lambda o, n: codec.encode(None, n), lambda o, p: codec.decode(o, p)),
+        Method(
+            "full bf16 + zstd-3",
+            lambda o, n: _ZSTD.compress(_bits(n).tobytes()),
+            lambda o, p: _tensor(np.frombuffer(_UNZSTD.decompress(p), np.int16), o),
+        ),
+    ]
+    try:
+        import zipnn
+    except ImportError:
+        print("zipnn is not installed: no ZipNN row (pip install -e '.[bench]')")
+    else:
+        z = zipnn.ZipNN(input_format="torch", bytearray_dtype="bfloat16", threads=1)
+        # ZipNN compresses its input in place: it gets a copy.
+        found.append(Method("ZipNN", lambda o, n: z.compress(n.clone()), lambda o, p: z.decompress(p).reshape(-1)))
+    return found
+
+
 def methods() -> list[Method]:
     ours = [
         Method(
@@ -127,6 +185,7 @@ def methods() -> list[Method]:
         Method("int32 index + bf16 value", _index_value_encode, _index_value_decode),
         Method("u16 gaps + value + zstd-3", _gaps_encode, _gaps_decode),
         Method("dense XOR + lz4", _xor_encode, _xor_decode),
+        *peers(),
     ]
 
 
@@ -194,6 +253,26 @@ def best_of(repeats: int, fn: Callable[[], object]) -> tuple[float, object]:
     return best, out
 
 
+def run_bases(label: str, tensors: list[torch.Tensor], repeats: int) -> None:
+    """One table of base sizes and speeds, every method decoded and checked."""
+    dense = sum(2 * t.numel() for t in tensors)
+    print(f"\n### {label}\n{len(tensors)} tensors, {dense / 1e6:.1f} MB dense bf16\n")
+    print("| method | bytes | % of dense | encode MB/s | decode MB/s |\n|---|---:|---:|---:|---:|")
+    for method in base_methods():
+        enc_s, payloads = best_of(repeats, lambda m=method: [m.encode(t, t) for t in tensors])
+        dec_s, decoded = best_of(
+            repeats, lambda m=method, p=payloads: [m.decode(t, x) for t, x in zip(tensors, p, strict=True)]
+        )
+        for t, got in zip(tensors, decoded, strict=True):
+            if not torch.equal(got.reshape(-1).view(torch.int16), t.view(torch.int16)):
+                raise SystemExit(f"{method.name} is not lossless")
+        size = sum(len(p) for p in payloads)
+        print(
+            f"| {method.name} | {size:,} | {100 * size / dense:.2f} | {dense / enc_s / 1e6:,.0f} | "
+            f"{dense / dec_s / 1e6:,.0f} |"
+        )
+
+
 def run(label: str, pairs: list[Pair], repeats: int, bound_pairs: list[Pair] | None = None) -> None:
     """One table; the bound is taken over `bound_pairs` (the original tensors) when given."""
     dense = sum(2 * new.numel() for _, new in pairs)
@@ -247,6 +326,9 @@ def main() -> None:
         published = [pair for step in steps for pair in as_published(step)]
         label = f"realistic sequence {args.sequence}, as published (tensors <= 256K elements grouped)"
         run(label, published, args.repeats, bound_pairs=tensors)
+        first = load_file(sorted(args.sequence.glob("step-*.safetensors"))[0])
+        bases = [pair[1] for pair in as_published([(t.reshape(-1), t.reshape(-1)) for _, t in sorted(first.items())])]
+        run_bases(f"realistic sequence {args.sequence}, its first step as bases, as published", bases, args.repeats)
     if args.synthetic:
         for density in args.densities:
             run(

@@ -1,7 +1,7 @@
 """What each reader of a chain moves, counted by the file system, next to the seed's formula.
 
     python scripts/make_sequence.py runs/seq51 --steps 51
-    python scripts/bench_traffic.py runs/seq51 --base-every 25
+    python scripts/bench_traffic.py runs/seq51 --base-every 25 --steps 51   # a 50-step window
 
 Publishes every step of a `make_sequence.py` sequence with `DeltaPublisher`, then follows it with
 real `DeltaLoader`s through a file system that counts every byte it hands out (not the library's
@@ -69,8 +69,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sequence", type=Path, help="a folder of step-XXXXXX.safetensors (make_sequence.py)")
     p.add_argument("--base-every", type=int, default=25)
+    p.add_argument("--steps", type=int, help="publish only the first STEPS files (the window is one fewer)")
     args = p.parse_args()
-    files = sorted(args.sequence.glob("step-*.safetensors"))
+    files = sorted(args.sequence.glob("step-*.safetensors"))[: args.steps]
     truth = {i + 1: load_file(f) for i, f in enumerate(files)}  # step 1 is the sequence's first file
     steps = sorted(truth)
     weights = {name: t.clone() for name, t in truth[1].items()}
