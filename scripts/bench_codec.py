@@ -224,6 +224,27 @@ def exponent_bound_bits(old: torch.Tensor, new: torch.Tensor) -> float:
     return _conditional_bits(exponent, changed.int()) + _conditional_bits(exponent[changed], step[changed])
 
 
+def _ef_bits(n: torch.Tensor, m: torch.Tensor) -> float:
+    """Elias-Fano bits of m positions among n, per entry of the (n, m) tensors (this codec's rule
+    for the low-bit width)."""
+    n, m = n[m > 0].double(), m[m > 0].double()
+    low = torch.floor(torch.log2(n / m))
+    return float((m * low + m + torch.floor((n - 1) / 2**low) + 1).sum())
+
+
+def position_bits(old: torch.Tensor, new: torch.Tensor) -> tuple[float, float]:
+    """(one Elias-Fano sequence over the tensor, one per exponent class of the old value): what
+    coding positions per class would save, before any value coding."""
+    a = old.view(torch.int16).int() & 0xFFFF
+    shift, width = (7, 0xFF) if old.dtype == torch.bfloat16 else (10, 0x1F)
+    exponent = (a >> shift) & width
+    changed = old.view(torch.int16) != new.view(torch.int16)
+    n_c = torch.bincount(exponent, minlength=width + 1)
+    m_c = torch.bincount(exponent[changed], minlength=width + 1)
+    whole = _ef_bits(torch.tensor([old.numel()]), torch.tensor([int(changed.sum())]))
+    return whole, _ef_bits(n_c, m_c)
+
+
 def sequence_steps(folder: Path) -> Iterator[list[Pair]]:
     """Per step of the sequence, the (old, new) pair of each tensor."""
     files = sorted(folder.glob("step-*.safetensors"))
@@ -279,6 +300,8 @@ def run(label: str, pairs: list[Pair], repeats: int, bound_pairs: list[Pair] | N
     bound = sum(entropy_bound_bits(old, new) for old, new in bound_pairs or pairs) / 8
     conditioned = sum(exponent_bound_bits(old, new) for old, new in bound_pairs or pairs) / 8
     changed = sum(int((o.view(torch.int16) != n.view(torch.int16)).sum()) for o, n in pairs)
+    positions = [position_bits(old, new) for old, new in bound_pairs or pairs]
+    one_ef, class_ef = (sum(p[i] for p in positions) / 8 for i in range(2))
     targets = [torch.empty_like(new) for _, new in pairs]
     copy_s, _ = best_of(repeats, lambda: [t.copy_(new) for t, (_, new) in zip(targets, pairs, strict=True)])
     memcpy = dense / copy_s / 1e6
@@ -286,7 +309,11 @@ def run(label: str, pairs: list[Pair], repeats: int, bound_pairs: list[Pair] | N
     share = 100 * changed / (dense / 2)
     print(f"{len(pairs)} tensors, {dense / 1e6:.1f} MB dense bf16, {share:.2f}% of elements changed;")
     print(f"entropy bound {bound / 1e3:.1f} kB ({8 * bound / max(changed, 1):.2f} bits per changed element);")
-    print(f"given the old value's exponent, {conditioned / 1e3:.1f} kB ({conditioned / bound:.2f} x the bound)\n")
+    print(f"given the old value's exponent, {conditioned / 1e3:.1f} kB ({conditioned / bound:.2f} x the bound);")
+    print(
+        f"positions as one Elias-Fano sequence per tensor {one_ef / 1e3:.1f} kB, as one per exponent class "
+        f"of the old value {class_ef / 1e3:.1f} kB ({class_ef / one_ef:.2f}x; not built, an estimate)\n"
+    )
     print("| method | bytes | % of dense | x bound | encode MB/s | decode MB/s | memcpy MB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for method in methods():
