@@ -81,11 +81,76 @@ def test_a_used_prefix_is_refused_before_training(tmp_path):
         fit(tmp_path, DeltaTrainerCallback(url), steps=2, accumulation=1)
 
 
-def test_a_peft_model_is_refused_with_the_way_out(tmp_path):
-    class FakePeft(torch.nn.Module):  # what the check looks at: peft models carry `peft_config`
-        peft_config = None
+def lora(model: torch.nn.Module, seed: int = 0, **config) -> torch.nn.Module:
+    """`model` with LoRA adapters on q/v (and whatever `config` adds), B made non-zero so the
+    merge is not the identity."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **config)
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return wrapped
 
-    callback = DeltaTrainerCallback(str(tmp_path / "store"))
-    state = transformers.TrainerState()
+
+def merged_truth(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import copy
+
+    return bf16_state(copy.deepcopy(model).merge_and_unload())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_tensors_are_exactly_merge_and_unload(dtype):
+    from lightning_delta.merged import merged_tensors
+
+    torch.manual_seed(0)
+    model = lora(tiny_llama().to(dtype), lora_dropout=0.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    merged = {n: t.to(torch.bfloat16) for n, t in merged_tensors(model).items()}
+    assert_state(merged, merged_truth(model))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the model is untouched
+    assert "model.layers.0.self_attn.q_proj.weight" in merged and not any("lora" in n for n in merged)
+
+
+def test_a_peft_lora_policy_is_published_merged(tmp_path):
+    """Every optimizer step equals `merge_and_unload()` of the policy at that step, bit for bit."""
+
+    class MergedTruth(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.states[state.global_step] = merged_truth(model)
+
+    url = str(tmp_path / "store")
+    torch.manual_seed(0)
+    model, truth = lora(tiny_llama()), MergedTruth()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = DeltaTrainerCallback(url, base_every=3)
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(16), callbacks=[callback, truth]).train()
+    loader = DeltaLoader(url)
+    assert loader.steps() == [1, 2, 3, 4]
+    for step in loader.steps():
+        assert_state(loader.state_dict(step)[1], truth.states[step])
+    replica = tiny_llama()  # a plain base model, as a rollout engine holds it
+    loader.apply_to(replica)
+
+
+def test_a_peft_model_it_cannot_merge_is_refused_with_the_way_out():
+    from lightning_delta.merged import merged_tensors
+
+    model = lora(tiny_llama(), use_dora=True)
     with pytest.raises(UnsupportedStrategyError, match="merge_and_unload"):
-        callback.on_train_begin(None, state, transformers.TrainerControl(), model=FakePeft())
+        merged_tensors(model)

@@ -15,7 +15,6 @@ from typing_extensions import override
 from .codec import CodecOptions
 from .errors import UnsupportedStrategyError
 from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
-from .shards import named_tensors
 
 __all__ = ["DeltaCallback"]
 
@@ -104,7 +103,7 @@ class DeltaCallback(Callback):
         module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
         self.publisher = DeltaPublisher(
             self.store,
-            lambda: named_tensors(module),
+            module,
             base_every=self.base_every,
             dtype=self.dtype,
             storage_options=self.storage_options,

@@ -18,9 +18,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .codec import CodecOptions
-from .errors import UnsupportedStrategyError
 from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
-from .shards import named_tensors
 
 __all__ = ["DeltaTrainerCallback"]
 
@@ -37,8 +35,9 @@ class DeltaTrainerCallback(TrainerCallback):
         probe: called with the model after each optimizer step, on every process; its tensor (the
             log-probs of a fixed probe batch) is published with the step.
 
-    A PEFT (LoRA) model is refused: its adapters are separate tensors, so a rollout engine that
-    holds the plain base model would get weights that are not the policy's.
+    A PEFT (LoRA) model is published merged: the weights `merge_and_unload()` would give, under the
+    base model's names, so a rollout engine that holds the plain base model gets the policy the
+    trainer samples from (see `lightning_delta.merged`).
     """
 
     def __init__(
@@ -71,12 +70,6 @@ class DeltaTrainerCallback(TrainerCallback):
     ) -> None:
         if model is None:
             raise ValueError("the Trainer passed no model to its callbacks")
-        if hasattr(model, "peft_config"):
-            raise UnsupportedStrategyError(
-                f"{type(model).__name__} is a PEFT model: publishing it would ship the base weights and the "
-                "adapters separately, not the merged policy it samples from, and merged publishing is not "
-                "built yet; train without peft_config, or publish merge_and_unload() copies with DeltaPublisher"
-            )
         run_id = self.run_id
         if run_id is None and state.global_step > 0:  # resumed from a checkpoint: continue the prefix's run
             from .store import Store
@@ -85,7 +78,7 @@ class DeltaTrainerCallback(TrainerCallback):
             run_id = manifest.run_id if manifest else None
         self.publisher = DeltaPublisher(
             self.store,
-            lambda: named_tensors(model),
+            model,
             base_every=self.base_every,
             dtype=self.dtype,
             storage_options=self.storage_options,

@@ -39,6 +39,7 @@ from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_update
 from .errors import PublishError, UnsupportedStrategyError
+from .merged import is_peft_model, merged_tensors
 from .shards import OwnedSlice, named_tensors, plan, read_slice
 from .store import Store, as_store
 
@@ -181,8 +182,9 @@ class DeltaPublisher:
 
     Args:
         store: fsspec URL (a local path works) or a `Store`.
-        tensors: a module (its parameters and persistent float buffers), a mapping of name to
-            tensor, or a callable returning one; DTensor parameters are read shard by shard.
+        tensors: a module (its parameters and persistent float buffers; for a PEFT LoRA model
+            the merged weights under the base model's names), a mapping of name to tensor, or a
+            callable returning one; DTensor parameters are read shard by shard.
             Its names and shapes are the run's layout, fixed at construction.
         base_every: a full base every this many steps, deltas in between.  Each base after the
             first comes with a bridge delta, so followers that are in sync never download a base.
@@ -496,6 +498,8 @@ def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) ->
 
 
 def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
+    if isinstance(tensors, nn.Module) and is_peft_model(tensors):  # the merged policy, base model's names
+        return lambda: merged_tensors(tensors)
     if isinstance(tensors, nn.Module):
         return lambda: named_tensors(tensors)
     if isinstance(tensors, Mapping):
