@@ -209,6 +209,44 @@ def test_materialize_writes_what_transformers_loads_and_never_overwrites_silentl
     assert run_cli(capsys, "materialize", chain, "--step", "4", str(out), "--force")[0] == 0
 
 
+def test_materialize_with_a_config_folder_loads_with_from_pretrained(tmp_path, capsys):
+    """Tied embeddings: published once, tied again by from_pretrained, or expanded by --alias."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from lightning_delta import DeltaPublisher
+
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    store = str(tmp_path / "store")
+    with DeltaPublisher(store, model) as publisher:
+        publisher.publish(1)
+    config_dir = tmp_path / "config"
+    config.save_pretrained(config_dir)
+    out = tmp_path / "served"
+    assert run_cli(capsys, "materialize", store, "--step", "1", str(out), "--config", str(config_dir))[0] == 0
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokens = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    flat = tmp_path / "strict.safetensors"
+    alias = ["--alias", "lm_head.weight=model.embed_tokens.weight"]
+    assert run_cli(capsys, "materialize", store, "--step", "1", str(flat), *alias)[0] == 0
+    strict = LlamaForCausalLM(config).to(torch.bfloat16)
+    strict.load_state_dict(load_file(flat), strict=True)
+    code, _, err = run_cli(capsys, "materialize", store, "--step", "1", str(tmp_path / "x"), "--alias", "nope")
+    assert code == 2 and "NAME=SOURCE" in err
+
+
 def test_storage_options_reach_a_non_default_endpoint(s3_url, capsys):
     import torch
 

@@ -2,7 +2,8 @@
 
     lightning-delta inspect STORE                 # the chain as a table, damaged steps marked
     lightning-delta verify STORE [--step N]       # every link and checksum; exit 0 only if clean
-    lightning-delta materialize STORE --step N OUT.safetensors [--force]
+    lightning-delta materialize STORE --step N OUT.safetensors [--force] [--alias NAME=SOURCE ...]
+    lightning-delta materialize STORE --step N OUT_DIR --config MODEL_DIR  # a from_pretrained folder
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
 
@@ -130,22 +131,48 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _materialize(args: argparse.Namespace) -> int:
+    import shutil
+
     from safetensors.torch import save_file
 
     from .loader import DeltaLoader
 
     if os.path.exists(args.out) and not args.force:
         raise FileExistsError(f"{args.out} exists; pass --force to overwrite it")
+    aliases = dict(_alias(a) for a in args.alias)
     loader = DeltaLoader(open_run(args)[0])
     step, tensors = loader.state_dict(args.step)
+    missing = sorted(set(aliases.values()) - tensors.keys())
+    if missing:
+        raise ValueError(f"--alias sources not in step {step}: {missing}")
+    # Tied weights are published once (under the first name); strict loaders may want every name.
+    tensors.update({name: tensors[source].clone() for name, source in aliases.items()})
+    path = args.out
+    if args.config:  # a folder from_pretrained loads: the config's files, then the weights
+        if not os.path.isfile(os.path.join(args.config, "config.json")):
+            raise FileNotFoundError(f"{args.config} holds no config.json: pass a model config directory")
+        os.makedirs(args.out, exist_ok=True)
+        for name in os.listdir(args.config):
+            source = os.path.join(args.config, name)
+            if os.path.isfile(source) and not name.endswith((".safetensors", ".bin", ".index.json", ".pt")):
+                shutil.copyfile(source, os.path.join(args.out, name))
+                os.chmod(os.path.join(args.out, name), 0o644)
+        path = os.path.join(args.out, "model.safetensors")
     # "format": "pt" is what transformers' loaders check for; the rest says where it came from.
-    save_file(tensors, args.out, metadata={"format": "pt", "step": str(step), "source": loader.store.url})
-    os.chmod(args.out, 0o644)  # safetensors writes 0600, which other users' inference servers cannot read
+    save_file(tensors, path, metadata={"format": "pt", "step": str(step), "source": loader.store.url})
+    os.chmod(path, 0o644)  # safetensors writes 0600, which other users' inference servers cannot read
     report = {"step": step, "tensors": len(tensors), "out": args.out}
     if args.json:
         return _emit(report)
     print(f"wrote step {step} ({len(tensors)} tensors, verified) to {args.out}")
     return 0
+
+
+def _alias(text: str) -> tuple[str, str]:
+    name, sep, source = text.partition("=")
+    if not (name and sep and source):
+        raise ValueError(f"--alias takes NAME=SOURCE (e.g. lm_head.weight=model.embed_tokens.weight), got {text!r}")
+    return name, source
 
 
 def _cost(args: argparse.Namespace) -> int:
@@ -248,8 +275,20 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--step", type=int, help="check only this step (and the chain it needs)")
     mat = command("materialize", "write a step as a safetensors file", _materialize)
     mat.add_argument("--step", type=int, required=True)
-    mat.add_argument("out", help="output .safetensors path")
+    mat.add_argument("out", help="output .safetensors path, or with --config an output folder")
     mat.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    mat.add_argument(
+        "--config",
+        metavar="MODEL_DIR",
+        help="a model config directory (config.json, tokenizer files): OUT becomes a folder from_pretrained loads",
+    )
+    mat.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="also write NAME as a copy of SOURCE (tied weights, for strict loaders); repeatable",
+    )
     cost = command("cost", "traffic of this chain vs shipping the full model every step", _cost)
     cost.add_argument("--regions", type=int, required=True, help="rollout regions that each download the chain")
     cost.add_argument("--window", type=int, help="the last W complete steps (default: all)")
