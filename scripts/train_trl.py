@@ -3,6 +3,7 @@
     .venv/bin/pip install -c <(echo torch==2.13.0) -e '.[hf]'
     .venv/bin/python scripts/train_trl.py runs/trl/store --steps 10          # full fine-tuning
     .venv/bin/python scripts/train_trl.py runs/trl-lora/store --steps 10 --lora   # a LoRA policy, published merged
+    .venv/bin/lightning-delta materialize runs/trl/store --step 10 runs/trl/step10 --config runs/trl/model
 
 No download: the policy is a small Llama built from a config and the tokenizer a word-level one
 built here; the reward counts how often a completion says "yes".  The rollout side follows the
@@ -52,8 +53,12 @@ def grpo(
     base_every: int = 5,
     callbacks: Sequence[TrainerCallback] = (),
     seed: int = 0,
+    model_dir: str | None = None,
 ) -> torch.nn.Module:
-    """Train a tiny policy with GRPO for `steps` optimizer steps, publishing each; returns it."""
+    """Train a tiny policy with GRPO for `steps` optimizer steps, publishing each; returns it.
+
+    With `model_dir`, the model's config and the tokenizer are saved there first: what the
+    rollout side needs besides the weights (`lightning-delta materialize --config model_dir`)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -62,6 +67,9 @@ def grpo(
     model = tiny_llama(vocab=len(tok), dim=32, layers=2, context=64)
     model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     model.config.bos_token_id = tok.bos_token_id
+    if model_dir is not None:
+        model.config.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -103,14 +111,11 @@ def main() -> None:
     p.add_argument("--base-every", type=int, default=5)
     p.add_argument("--lora", action="store_true", help="train LoRA adapters; the merged policy is published")
     args = p.parse_args()
-    grpo(
-        args.store,
-        args.steps,
-        os.path.join(os.path.dirname(args.store) or ".", "trl-out"),
-        lora=args.lora,
-        base_every=args.base_every,
-    )
-    print(f"published {args.steps} GRPO steps to {args.store}")
+    runs = os.path.dirname(os.path.abspath(args.store))
+    model_dir = os.path.join(runs, "model")
+    out = os.path.join(runs, "trl-out")
+    grpo(args.store, args.steps, out, lora=args.lora, base_every=args.base_every, model_dir=model_dir)
+    print(f"published {args.steps} GRPO steps to {args.store}; the model's config and tokenizer are in {model_dir}")
 
 
 if __name__ == "__main__":
