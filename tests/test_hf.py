@@ -154,3 +154,23 @@ def test_a_peft_model_it_cannot_merge_is_refused_with_the_way_out():
     model = lora(tiny_llama(), use_dora=True)
     with pytest.raises(UnsupportedStrategyError, match="merge_and_unload"):
         merged_tensors(model)
+
+
+@pytest.mark.slow
+def test_each_process_of_a_distributed_trainer_publishes_its_share(tmp_path):
+    from safetensors.torch import load_file
+
+    from conftest import ROOT, torchrun
+    from lightning_delta import Store
+
+    store, truth = str(tmp_path / "store"), tmp_path / "truth"
+    truth.mkdir()
+    torchrun(ROOT / "tests" / "hf_dist_job.py", store, str(truth))
+    ranks = [(truth / f"rank-{r}.txt").read_text().split() for r in range(2)]
+    assert ranks[0] == ranks[1] and ranks[0][0] == "2"  # both processes, one run
+    run = Store(store).manifest()
+    assert run.world_size == 2 and min(run.numel(0), run.numel(1)) > 0  # each uploads its own share
+    loader = DeltaLoader(store)
+    assert loader.steps() == [1, 2, 3, 4, 5]
+    for step in loader.steps():
+        assert_state(loader.state_dict(step)[1], load_file(truth / f"step-{step}.safetensors"))
