@@ -13,6 +13,7 @@ chain with `DeltaLoader(...).follow()` (README, "Rollout side").
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -70,6 +71,12 @@ def grpo(
     if model_dir is not None:
         model.config.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
+        # transformers 5 names its own backend class there, which 4.x does not know; both load this one.
+        path = os.path.join(model_dir, "tokenizer_config.json")
+        with open(path) as f:
+            settings = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
     peft_config = None
     if lora:
         from peft import LoraConfig
