@@ -455,8 +455,8 @@ def fuzz_store(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[s
             for _ in range(rng.randint(1, 3)):
                 try:
                     acts.append(damage(rng, root, foreign))
-                except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, DeltaError):  # nothing to act on
-                    acts.append("nothing to damage")
+                except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, DeltaError):
+                    acts.append("nothing to damage")  # earlier damage left nothing to act on
             outcome, detail = _judge(partial(_load_case, str(root), truth, rng), expected, limit)
             counts[outcome] += 1
             if outcome in FAILURES and log:
