@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from conftest import assert_state, bf16_state  # noqa: E402
+from hf_dist_job import Tokens  # noqa: E402
 from lightning_delta import DeltaLoader, PublishError, UnsupportedStrategyError  # noqa: E402
 from lightning_delta.hf import DeltaTrainerCallback  # noqa: E402
 from tinylm import tiny_llama  # noqa: E402
@@ -22,17 +23,6 @@ class Truth(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.states[state.global_step] = bf16_state(model)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.ids = torch.randint(0, 97, (n, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def fit(
