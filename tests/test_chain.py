@@ -360,3 +360,28 @@ def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url):
     assert loader.steps() == [1, 3, 4]
     for step in (1, 3, 4):
         assert torch.equal(loader.state_dict(step)[1]["w"], truth[step])
+
+
+def test_a_base_is_packed_from_a_copy_the_next_step_does_not_touch(store_url, monkeypatch):
+    """The worker packs a base after `publish` returns; the next step writes its changes into the
+    publisher's cache meanwhile.  (A base packed from the cache itself came out as a mix of both
+    steps: found by the SIGKILL test as a committed base whose checksum did not match.)"""
+    from lightning_delta import codec
+
+    gate, original = threading.Event(), codec.pack_full
+
+    def held_back(new):
+        assert gate.wait(120)
+        return original(new)
+
+    monkeypatch.setattr(codec, "pack_full", held_back)
+    tensors = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    with DeltaPublisher(store_url, lambda: tensors, base_every=100, max_pending=2) as pub:
+        pub.publish(1)
+        first = tensors["w"].clone()
+        tensors["w"][::3] += 1
+        pub.publish(2)  # diffs against the cache and updates it while step 1 waits to be packed
+        gate.set()
+    loader = DeltaLoader(store_url)
+    assert torch.equal(loader.state_dict(1)[1]["w"], first)
+    assert torch.equal(loader.state_dict(2)[1]["w"], tensors["w"])

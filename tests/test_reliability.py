@@ -173,11 +173,14 @@ def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
 def test_a_payload_never_decodes_to_a_dtype_nobody_asked_for():
     """Found by scripts/fuzz.py (codec, seed 0, case 623150): a RAW bf16 payload whose dtype byte
     flipped to float16 decoded to float16 with the same bits, so the same checksum."""
-    new = torch.randn(7).to(torch.bfloat16)
-    payload = bytearray(codec.encode(None, new))
-    payload[7] = 2  # dtype: float16
-    with pytest.raises(FormatError, match=r"float16, expected torch\.bfloat16"):
-        codec.decode(None, bytes(payload), numel=7, dtype=torch.bfloat16)
+    half = bytearray(codec.encode(None, torch.randn(7).to(torch.float16)))  # byte planes
+    half[7] = 1  # dtype: bfloat16
+    with pytest.raises(FormatError, match=r"bfloat16, expected torch\.float16"):
+        codec.decode(None, bytes(half), numel=7, dtype=torch.float16)
+    brain = bytearray(codec.encode(None, torch.randn(7).to(torch.bfloat16)))  # exponent bytes apart
+    brain[7] = 2  # dtype: float16, which has no EXPONENT coding
+    with pytest.raises(FormatError, match="inconsistent"):
+        codec.decode(None, bytes(brain), numel=7, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("numel", [2**31, 2**40, 2**40 + 1, 2**62])

@@ -339,7 +339,8 @@ class DeltaPublisher:
             values, shared = (parts[0], True) if len(parts) == 1 else (torch.cat(parts), False)
             if is_base and not bridge:
                 group.bits = values.clone() if shared else values
-                pieces.append(_Piece(snapshot=group.bits))
+                # The worker packs a copy of its own: the next step writes its changes into the cache.
+                pieces.append(_Piece(snapshot=group.bits.clone()))
                 changed_total += values.numel()
                 continue
             change = codec.diff(group.bits, values)
