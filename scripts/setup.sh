@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs lightning_delta with its test and example extras (5 to 10 minutes on a
-# fresh machine, nearly all of it pip fetching Lightning, transformers and moto).  torch is installed
+# fresh machine, nearly all of it pip fetching Lightning, transformers, TRL and moto).  torch is installed
 # first and pinned: an unpinned torch pulled in by another package would download a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
