@@ -48,7 +48,7 @@ class LoadReport:
     """What the last `state_dict` / `apply_to` call did."""
 
     step: int
-    kind: fmt.Kind  # of the step itself (rank 0's part)
+    kind: fmt.Kind  # of the part rank 0 rebuilt the step with (its bridge is a delta)
     parts_read: int  # part objects fetched; 0 when the step was already held
     bytes_read: int  # every object read from the store for it: markers, manifest, parts
     tensors: int  # full tensors rebuilt and verified
