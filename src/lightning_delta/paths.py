@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .errors import ChainError
 from .format import Kind
 
-__all__ = ["PartRef", "cheapest_path", "path_bytes"]
+__all__ = ["PartRef", "cheapest_path"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,3 @@ def cheapest_path(target: int, held: int | None, parts_at: Callable[[int], Seque
         raise ChainError(f"{link} is not in the store (deleted, or its upload never finished) and no base after it is")
     return best
 
-
-def path_bytes(path: Sequence[PartRef]) -> int:
-    return sum(p.size for p in path)
