@@ -64,4 +64,3 @@ def cheapest_path(target: int, held: int | None, parts_at: Callable[[int], Seque
         link = f"step {path[-1].step} is a delta against step {at}, which" if path else f"step {at}"
         raise ChainError(f"{link} is not in the store (deleted, or its upload never finished) and no base after it is")
     return best
-
