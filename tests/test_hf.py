@@ -26,10 +26,12 @@ class Truth(transformers.TrainerCallback):
 
 
 def fit(
-    tmp_path, callback, steps: int = 6, accumulation: int = 2, **extra
+    tmp_path, callback, steps: int = 6, accumulation: int = 2, model=None, truth=None, **extra
 ) -> tuple[Truth, torch.nn.Module, transformers.Trainer]:
+    """A tiny Llama (or `model`) trained by a real Trainer; `truth` (default `Truth`) records each step."""
     torch.manual_seed(0)
-    model, truth = tiny_llama(), Truth()
+    model = tiny_llama() if model is None else model
+    truth = Truth() if truth is None else truth
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=steps,
@@ -117,19 +119,15 @@ def test_a_peft_lora_policy_is_published_merged(tmp_path):
 
     url = str(tmp_path / "store")
     torch.manual_seed(0)
-    model, truth = lora(tiny_llama()), MergedTruth()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
+    truth = MergedTruth()
+    fit(
+        tmp_path,
+        DeltaTrainerCallback(url, base_every=3),
+        steps=4,
+        accumulation=1,
+        model=lora(tiny_llama()),
+        truth=truth,
     )
-    callback = DeltaTrainerCallback(url, base_every=3)
-    transformers.Trainer(model=model, args=args, train_dataset=Tokens(16), callbacks=[callback, truth]).train()
     loader = DeltaLoader(url)
     assert loader.steps() == [1, 2, 3, 4]
     for step in loader.steps():

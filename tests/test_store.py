@@ -60,11 +60,11 @@ class TestStoreConformance:
         header = _header(0, 1)
         store.commit_part(header, _blob(header, payload=b"x" * 10_000))
         store.commit_part(_delta(0, 1), _blob(_delta(0, 1)), bridge=True)
+        refs = store.part_refs(3, 0, 1)
         before = store.bytes_read
-        head = store.read_head(3, 0, 1)
+        head = store.read_head(refs[0], 0, 1)
         assert head.header == header and head.entries == (fmt.PayloadEntry(10_000, 10_000, 7),)
         assert store.bytes_read - before < 1000
-        refs = store.part_refs(3, 0, 1)
         assert [(r.kind, r.prev_step, r.bridge) for r in refs] == [
             (fmt.Kind.BASE, None, False),
             (fmt.Kind.DELTA, 2, True),
@@ -180,7 +180,7 @@ def test_a_part_copied_to_another_step_is_refused_by_both_readers(tmp_path):
     blob = _blob(_header(0, 1))
     store.commit_part(_header(0, 1), blob)
     store.commit_part(_header(0, 1, step=4), blob)  # step 3's part, stored as step 4
-    for read in (store.read_part, store.read_head):
+    for read in (store.read_part, lambda *where: store.read_head(store.part_refs(*where)[0], *where[1:])):
         with pytest.raises(FormatError, match="holds step 3"):
             read(4, 0, 1)
 

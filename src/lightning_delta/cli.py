@@ -60,7 +60,7 @@ def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
     assert run is not None
     try:
         refs = [r for rank in range(world) for r in store.part_refs(step, rank, world)]
-        heads = [store.read_head(step, rank, world) for rank in range(world)]
+        heads = [store.read_head(ref, rank, world) for rank, ref in enumerate(r for r in refs if not r.bridge)]
     except DeltaError as err:
         return {"step": step, "complete": True, "damaged": f"{type(err).__name__}: {err}"}
     kinds = {h.header.kind.value for h in heads}

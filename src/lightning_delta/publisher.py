@@ -444,8 +444,7 @@ class DeltaPublisher:
         stored = 0
         for blob, bridge in ((item.bridge, True), (item.part, False)):
             if blob is not None and (with_bridge or not bridge):
-                self.store.commit_part(blob.header, blob.data, bridge=bridge)
-                stored += len(blob.data) + len(fmt.encode_commit(blob.data, blob.header))
+                stored += self.store.commit_part(blob.header, blob.data, bridge=bridge)
         if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
             self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
         dense = self._numel * self.dtype.itemsize

@@ -166,22 +166,25 @@ class Store:
 
     # ------------------------------------------------------------------ commit protocol
 
-    def commit_part(self, header: fmt.PartHeader, blob: bytes, *, bridge: bool = False) -> None:
-        """Publish one rank's part: the blob first, then the marker that makes it count.
+    def commit_part(self, header: fmt.PartHeader, blob: bytes, *, bridge: bool = False) -> int:
+        """Publish one rank's part: the blob first, then the marker that makes it count; returns
+        the bytes written (blob and marker).
 
         Both are created exclusively, so two publishers can never interleave one chain: the
         second to reach a step gets FileExistsError and the first one's part stays intact.
         """
         where = (header.step, header.rank, header.world_size)
         key = fmt.blob_path(*where, bridge=bridge)
+        marker = fmt.encode_commit(blob, header)
         try:
             self.write(key, blob, exclusive=True)
-            self.write(fmt.commit_path(*where, bridge=bridge), fmt.encode_commit(blob, header), exclusive=True)
+            self.write(fmt.commit_path(*where, bridge=bridge), marker, exclusive=True)
         except FileExistsError:
             raise FileExistsError(
                 f"{self.url}/{key} already exists: another publisher wrote this step of the chain; "
                 "give each run its own store prefix"
             ) from None
+        return len(blob) + len(marker)
 
     # ------------------------------------------------------------------ the run
 
@@ -285,11 +288,11 @@ class Store:
                     refs.append(_ref(step, bridge, bridge=True))
         return refs
 
-    def read_head(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Head:
-        """A committed part's header and payload table, with two ranged reads; nothing is
-        verified beyond their own rules (`read_blob` and `parse_part` check the rest)."""
-        size = self.read_marker(step, rank, world_size, bridge=bridge).size
-        where = fmt.blob_path(step, rank, world_size, bridge=bridge)
+    def read_head(self, ref: PartRef, rank: int, world_size: int) -> fmt.Head:
+        """A committed part's header and payload table (`ref` from `part_refs`), with two ranged
+        reads; nothing is verified beyond their own rules (`read_blob` and `parse_part` check the rest)."""
+        step, size = ref.step, ref.size
+        where = fmt.blob_path(step, rank, world_size, bridge=ref.bridge)
         try:
             with self._request(f"reading {where}"):
                 prefix = self._fs.cat_file(self._path(where), start=0, end=fmt.PREFIX_BYTES)
