@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import bitwise_equal
 from lightning_delta import codec
-from lightning_delta.codec import CodecOptions, Compressor, Mode
+from lightning_delta.codec import CodecOptions, Compressor, Context, Mode
 from lightning_delta.errors import FormatError
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -18,6 +18,7 @@ ALL_COMPRESSORS = [
     CodecOptions(Compressor.LZ4),
     CodecOptions(Compressor.NONE),
 ]
+CLASSED = CodecOptions(context=Context.EXPONENT)
 SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x0001, 0x807F, 0x7F7F, 0x3F80]
 """bf16 +0, -0, +inf, -inf, quiet NaN, signalling NaN payload, all-ones NaN, subnormals, max, 1.0."""
 
@@ -60,6 +61,77 @@ def test_decode_of_encode_is_bit_identical(pair, options):
     reused = torch.full_like(new, 3.0)  # a previous step's buffer: every element is overwritten
     assert bitwise_equal(codec.decode(old, payload, out=reused), new)
     assert bitwise_equal(codec.decode(None, base, numel=new.numel(), dtype=new.dtype, out=reused.fill_(3.0)), new)
+
+
+@st.composite
+def structured_pairs(draw):
+    """(old, new) where small weights change often and large ones rarely, as under Adam: the
+    structure CLASSED payloads code (or, where it does not pay, the SPARSE fallback)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    n = draw(st.integers(1, 3000))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    small = torch.rand(n, generator=g) < draw(st.floats(0.0, 1.0))
+    old = (torch.randn(n, generator=g) * torch.where(small, 1e-3, 1.0)).to(dtype)
+    rate = torch.where(small, draw(st.floats(0.0, 1.0)), draw(st.floats(0.0, 0.05)))
+    steps = torch.tensor(draw(st.lists(st.sampled_from([1, -1, 1, -1, 2, -5, 300, 32768]), min_size=1)))
+    step = steps[torch.randint(len(steps), (n,), generator=g)].to(torch.int16)
+    new = old.view(torch.int16) + step * (torch.rand(n, generator=g) < rate)
+    return old, new.view(dtype)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs() | structured_pairs(), st.sampled_from(ALL_COMPRESSORS))
+def test_exponent_context_decodes_bit_identically(pair, options):
+    old, new = pair
+    options = CodecOptions(options.compressor, context=Context.EXPONENT)
+    decoded = codec.decode_change(old, codec.encode(old, new, options))
+    assert bitwise_equal(decoded.new, new)
+    if decoded.change is not None:
+        expected = (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
+        assert torch.equal(decoded.change.index, expected)
+
+
+def _adam_like(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fifth of the weights a thousand times smaller; they change at 30%, the rest at 1%."""
+    g = torch.Generator().manual_seed(seed)
+    small = torch.rand(n, generator=g) < 0.2
+    old = (torch.randn(n, generator=g) * torch.where(small, 1e-3, 1.0)).to(torch.bfloat16)
+    changed = torch.rand(n, generator=g) < torch.where(small, 0.3, 0.01)
+    step = torch.where(torch.rand(n, generator=g) < 0.5, 1, -1).to(torch.int16)
+    return old, (old.view(torch.int16) + step * changed).view(torch.bfloat16)
+
+
+def test_exponent_context_codes_positions_per_class():
+    old, new = _adam_like(200_000)
+    change = codec.diff(old, new, exponents=True)
+    assert codec.pack_delta(change, new).mode == Mode.CLASSED
+    classed, plain = codec.encode(old, new, CLASSED), codec.encode(old, new, CodecOptions(context=Context.NONE))
+    assert len(classed) < 0.85 * len(plain)
+    assert bitwise_equal(codec.decode(old, classed), new)
+
+
+def test_exponent_context_without_structure_stays_sparse():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(200_000, generator=g).to(torch.bfloat16)
+    new = (old.view(torch.int16) + (torch.rand(200_000, generator=g) < 0.02)).view(torch.bfloat16)
+    assert codec.pack_delta(codec.diff(old, new, exponents=True), new).mode == Mode.SPARSE
+    assert codec.encode(old, new, CLASSED) == codec.encode(old, new, CodecOptions(context=Context.NONE))
+
+
+def test_auto_context_classes_only_off_the_cpu():
+    auto = CodecOptions()
+    assert not auto.conditions(torch.device("cpu")) and auto.conditions(torch.device("cuda"))
+    assert CLASSED.conditions(torch.device("cpu"))
+    assert not CodecOptions(context=Context.NONE).conditions(torch.device("cuda"))
+
+
+def test_classed_payload_against_another_tensor_is_refused():
+    old, new = _adam_like(20_000)
+    payload = codec.encode(old, new, CLASSED)
+    other = old.clone()
+    other.view(torch.int16)[old.view(torch.int16).abs().argmax()] = 0  # one element moves class
+    with pytest.raises(FormatError, match="another tensor"):
+        codec.decode(other, payload)
 
 
 def test_decode_into_out_refuses_old_itself_and_another_dtype():
@@ -152,6 +224,22 @@ def test_golden_bytes_pin_the_format():
     )
     half = codec.encode(None, as_tensor([0x3C00, 0xC001], torch.float16), CodecOptions(Compressor.NONE))
     assert half.hex() == "4c444301000000020202000002000100023cc0"  # float16: low, then high byte plane
+    # CLASSED: 256 elements, every 16th 0.5 (exponent 0x7E), the rest 1.0 (0x7F); each 0.5 steps +1.
+    old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)
+    new = as_tensor([0x3F01 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)
+    classed = codec.encode(old, new, CodecOptions(Compressor.NONE, context=Context.EXPONENT))
+    assert classed.hex() == (
+        "4c444301020100"  # magic, CLASSED, SPLIT, l=0
+        "01"  # bfloat16
+        "80021000"  # varints n=256 (two bytes), m=16, k=0
+        "01"  # one class with changes:
+        "7e1010"  # exponent 0x7E: 16 members, 16 changed; l_c = 0, H_c = 16 + 15 + 1 = 32 bits
+        "0000"  # no low bits
+        "000455555555"  # high bits: rank j sets bit j + j
+        "0002ffff"  # every change is +-1
+        "0002ffff"  # all +1
+        "0000"  # no magnitudes
+    )
 
 
 def test_api_refuses_wrong_inputs():
@@ -177,10 +265,23 @@ def _sample():
     return old, new.view(torch.bfloat16)
 
 
-@pytest.mark.parametrize("options", ALL_COMPRESSORS, ids=lambda o: o.compressor.name)
-def test_every_truncation_is_a_format_error(options):
-    old, new = _sample()
+HOSTILE = [*ALL_COMPRESSORS, CLASSED]
+
+
+def _hostile_sample(options: CodecOptions) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    old, new = _adam_like(5000, seed=1) if options.context == Context.EXPONENT else _sample()
     payload = codec.encode(old, new, options)
+    assert codec.parse(payload, old.numel()).mode == (Mode.CLASSED if options is CLASSED else Mode.SPARSE)
+    return old, new, payload
+
+
+def _hostile_id(options: CodecOptions) -> str:
+    return "CLASSED" if options is CLASSED else options.compressor.name
+
+
+@pytest.mark.parametrize("options", HOSTILE, ids=_hostile_id)
+def test_every_truncation_is_a_format_error(options):
+    old, _, payload = _hostile_sample(options)
     for cut in range(len(payload)):
         with pytest.raises(FormatError):
             codec.decode(old, payload[:cut])
@@ -188,12 +289,12 @@ def test_every_truncation_is_a_format_error(options):
         codec.decode(old, payload + b"\0")
 
 
-@pytest.mark.parametrize("options", ALL_COMPRESSORS, ids=lambda o: o.compressor.name)
+@pytest.mark.parametrize("options", HOSTILE, ids=_hostile_id)
 def test_flipped_bytes_raise_or_decode_within_bounds(options):
     """A flipped byte gives FormatError or some tensor of the right size, never a crash or an
     out-of-bounds write; the value checksum (tested in test_chain) catches the wrong values."""
-    old, new = _sample()
-    payload = bytearray(codec.encode(old, new, options))
+    old, new, payload = _hostile_sample(options)
+    payload = bytearray(payload)
     for pos in range(len(payload)):
         for mask in (0x01, 0x80):
             payload[pos] ^= mask
@@ -259,3 +360,54 @@ def test_positions_must_strictly_increase():
     payload[low_at : low_at + 2] = (8 | 3 << 5).to_bytes(2, "little")  # positions 8, 3
     with pytest.raises(FormatError, match="strictly increasing"):
         codec.decode(old, bytes(payload))
+
+
+def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torch.Tensor, bytes]:
+    """The golden CLASSED payload's 16 changes of exponent 0x7E with another class table."""
+    old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)
+    header = bytes.fromhex("4c4443010201000180021000")
+    table = codec._varint(len(entries) // 3 if count is None else count) + entries
+    return old, header + table + bytes.fromhex("00000004555555550002ffff0002ffff0000")
+
+
+@pytest.mark.parametrize(
+    "entries, count, message",
+    [
+        (bytes.fromhex("7e1010"), 0, "classes"),  # a count of 0 with changes
+        (bytes.fromhex("7e1010"), 257, "classes"),
+        (bytes.fromhex("7e1011"), None, "17 changes among 16"),
+        (bytes.fromhex("7e1000"), None, "0 changes"),
+        (bytes.fromhex("7e100f"), None, "15 changes, the header"),  # sums must match m
+        (bytes.fromhex("7e08087e0808"), None, "out of order"),
+        (bytes.fromhex("7f08087e0808"), None, "out of order"),
+        (bytes.fromhex("7e820210"), None, "258 elements"),  # more members than n
+        (bytes.fromhex("7f1010"), None, "another tensor"),  # the old tensor has no 16 of 0x7F
+        (bytes.fromhex("7e10"), 1, "CLASSED|truncated"),  # the entry runs into the sections
+    ],
+)
+def test_hostile_class_tables_are_refused(entries, count, message):
+    old, payload = _classed_table_patch(entries, count)
+    with pytest.raises(FormatError, match=message):
+        codec.decode(old, payload)
+
+
+def test_classed_high_bits_must_stay_in_their_class():
+    old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(1024)], torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    new[::16] += 1  # every 0.5 changes, and two of the 1.0s
+    new[[5, 700]] -= 1
+    payload = codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE, context=Context.EXPONENT))
+    packed = codec.parse(payload, 1024)
+    assert packed.mode == Mode.CLASSED and len(packed.classes) == 2
+    assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
+    high = bytearray(packed.sections[1].numpy().tobytes())
+    at = payload.index(bytes(high))
+    for byte in range(len(high)):
+        for bit in range(8):
+            broken = bytearray(payload)
+            broken[at + byte] ^= 1 << bit
+            try:
+                got = codec.decode(old, bytes(broken))
+                assert got.shape == old.shape
+            except FormatError:
+                pass

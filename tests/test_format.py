@@ -56,11 +56,11 @@ def test_blob_round_trip():
 
 
 GOLDEN_HEADER = (
-    b'{"created":1.5,"format":"lightning_delta/4","kind":"base","manifest":"' + DIGEST.encode() + b'",'
+    b'{"created":1.5,"format":"lightning_delta/5","kind":"base","manifest":"' + DIGEST.encode() + b'",'
     b'"prev_step":null,"probe":1,"rank":0,"step":1,"world_size":1}'
 )
 GOLDEN_MANIFEST = (
-    b'{"created":1.5,"format":"lightning_delta.run/2","part_format":"lightning_delta/4",'
+    b'{"created":1.5,"format":"lightning_delta.run/2","part_format":"lightning_delta/5",'
     b'"ranks":[[[{"numel":4,"start":0,"tensor":1}]],[[{"numel":2,"start":4,"tensor":1},'
     b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","tensors":[{"dtype":"bfloat16","name":"b",'
     b'"shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],"world_size":2}'
@@ -71,7 +71,7 @@ def test_golden_bytes_pin_the_blob_marker_and_manifest():
     """A change to any of these bytes is a format change: bump the version and FORMAT.md."""
     h = header(probe=1)
     blob = blob_of(h, (-1.5,))
-    prefix = b"LDELTA\x00\x04" + len(GOLDEN_HEADER).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    prefix = b"LDELTA\x00\x05" + len(GOLDEN_HEADER).to_bytes(4, "little") + (1).to_bytes(4, "little")
     table = (4).to_bytes(8, "little") + (6).to_bytes(8, "little") + (0xFF).to_bytes(8, "little")
     probe = b"\x00\x00\xc0\xbf"  # -1.5 as a little-endian float32
     assert blob == prefix + GOLDEN_HEADER + table + probe + b"abcd"
@@ -262,7 +262,7 @@ def test_foreign_and_truncated_objects():
     with pytest.raises(FormatError, match="magic"):
         fmt.decode_blob(b"PK\x03\x04" + b"\0" * 40)
     with pytest.raises(FormatError, match="magic"):  # a format 3 part
-        fmt.decode_blob(b"LDELTA\x00\x03" + blob_of(header())[8:])
+        fmt.decode_blob(b"LDELTA\x00\x04" + blob_of(header())[8:])
     with pytest.raises(FormatError, match="truncated"):
         fmt.decode_blob(b"LDELTA")
     blob = blob_of(header())

@@ -10,6 +10,14 @@ Between adjacent RL steps ~1-3% of bf16 elements change, most by one ULP.  So a 
   entropy, which a byte per change never could) and `|d| - 2` for the rest;
 * each byte section through a pluggable compressor (zstd by default) where that pays.
 
+Under Adam a weight moves by about the same amount whatever its size, so small weights (small
+ULP) change far more often, and by more ULPs, than large ones.  A CLASSED delta therefore codes
+the positions per exponent class of the old value, which the decoder holds: each class gets an
+Elias-Fano sequence over its own members, so its own density (0.7x the order-0 bound of the
+change on a realistic RL sequence, docs/BENCHMARKS.md).  Finding each change's rank among its
+class costs a stable sort of the tensor's exponent bytes: nothing on a GPU, several times the rest
+of the codec on a CPU, which is why `Context.AUTO` uses it on accelerators only.
+
 `diff`, `pack_full` and `pack_delta` are torch code that runs on the tensors' device; only the
 packed sections, a few bytes per change, go to the host for `serialize`.  `parse` validates every
 length against the caller's element count before it allocates, so a hostile payload can neither
@@ -26,6 +34,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from itertools import accumulate
 
 import lz4.block
 import torch
@@ -40,6 +49,7 @@ __all__ = [
     "Change",
     "CodecOptions",
     "Compressor",
+    "Context",
     "Decoded",
     "Mode",
     "Packed",
@@ -70,6 +80,7 @@ class Mode(IntEnum):
 
     RAW = 0  # every element: the low-byte plane, then the high-byte plane
     SPARSE = 1  # Elias-Fano positions of the changed elements, then their value changes
+    CLASSED = 2  # as SPARSE, but positions per exponent class of the old value, changes in class order
 
 
 class ValueCoding(IntEnum):
@@ -89,6 +100,14 @@ class Compressor(IntEnum):
     LZ4 = 2  # lz4 block format, uncompressed size implied by the payload header
 
 
+class Context(IntEnum):
+    """What a delta's positions are coded given."""
+
+    NONE = 0  # nothing: one Elias-Fano sequence per payload (SPARSE)
+    EXPONENT = 1  # the old value's exponent: one sequence per exponent class (CLASSED)
+    AUTO = 2  # EXPONENT where the tensors live on an accelerator, NONE on the CPU
+
+
 @dataclass(frozen=True)
 class CodecOptions:
     """Encoder choices; decoding never needs them."""
@@ -100,12 +119,19 @@ class CodecOptions:
     threads: int = 4
     """Payloads a publisher compresses at once (zstd and lz4 release the GIL): a base of many
     payloads is spread over this many host cores instead of one."""
+    context: Context = Context.AUTO
+    """CLASSED deltas are ~30% smaller but sort the tensor's exponent bytes: free on a GPU, 5-10x the
+    codec's time on a CPU (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.level <= 22:
             raise ValueError(f"compression level must be in 1..22, got {self.level}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def conditions(self, device: torch.device) -> bool:
+        """Whether deltas of tensors on `device` are coded per exponent class."""
+        return self.context == Context.EXPONENT or (self.context == Context.AUTO and device.type != "cpu")
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,8 @@ class Change:
     new: Tensor  # int16 bit patterns
     numel: int  # elements of the whole tensor
     dtype: torch.dtype  # of the whole tensor
+    exponents: Tensor | None = None
+    """The old tensor's exponent bytes (`exponent_bytes`), where the change is to be CLASSED."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +159,8 @@ class Packed:
     m: int  # changed elements (n for RAW)
     k: int  # changed by more than one (0 for RAW)
     sections: tuple[Tensor, ...]
+    classes: tuple[tuple[int, int, int], ...] = ()
+    """CLASSED: (exponent, members, changed members) of every class with a change, ascending."""
     alternative: Packed | None = None
     """Another packing of the same tensor; `serialize` keeps whichever is smaller."""
 
@@ -150,14 +180,19 @@ class Decoded:
 # ---------------------------------------------------------------- device side: diff and pack
 
 
-def diff(old: Tensor, new: Tensor) -> Change:
-    """The elements whose bit patterns differ (NaN payloads and -0.0 included)."""
+def diff(old: Tensor, new: Tensor, *, exponents: bool = False) -> Change:
+    """The elements whose bit patterns differ (NaN payloads and -0.0 included).
+
+    `exponents=True` also keeps `old`'s exponent bytes, so the change can be packed CLASSED after
+    `old` itself has moved on (a float dtype's; an int16 change is always SPARSE).
+    """
     _check_pair(old, new)
     a, b = old.view(torch.int16), new.view(torch.int16)
+    classes = exponent_bytes(old) if exponents and old.dtype in _EXPONENT_SHIFT else None
     head = a.numel() // 4 * 4
     if not (head and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0):
         index = (a != b).nonzero().squeeze(1)
-        return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype)
+        return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype, classes)
     # Compare four elements per int64 word: `nonzero` scans a quarter as many entries, and only
     # the few changed words are gathered and looked at lane by lane.
     a64, b64 = a[:head].view(torch.int64), b[:head].view(torch.int64)
@@ -171,7 +206,17 @@ def diff(old: Tensor, new: Tensor) -> Change:
         tail = (a[head:] != b[head:]).nonzero().squeeze(1) + head
         index = torch.cat([index, tail])
         olds, news = torch.cat([olds, a.index_select(0, tail)]), torch.cat([news, b.index_select(0, tail)])
-    return Change(index, olds, news, new.numel(), new.dtype)
+    return Change(index, olds, news, new.numel(), new.dtype, classes)
+
+
+_EXPONENT_SHIFT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}
+
+
+def exponent_bytes(t: Tensor) -> Tensor:
+    """Each element's biased exponent as uint8: the class a CLASSED delta codes it in."""
+    shift, mask = _EXPONENT_SHIFT[t.dtype]
+    shifted = t.view(torch.int16) >> shift
+    return (shifted if mask == 0xFF else shifted & mask).to(torch.uint8)  # the cast keeps the low byte
 
 
 def pack_full(new: Tensor) -> Packed:
@@ -186,9 +231,8 @@ def pack_full(new: Tensor) -> Packed:
     n = new.numel()
     if new.dtype == torch.bfloat16:
         bits = new.view(torch.int16)
-        exponent = (bits >> 7).to(torch.uint8)  # the cast keeps the low eight bits
         sign_mantissa = ((bits >> 8) & 0x80 | bits & 0x7F).to(torch.uint8)
-        return Packed(Mode.RAW, ValueCoding.EXPONENT, 0, new.dtype, n, n, 0, (exponent, sign_mantissa))
+        return Packed(Mode.RAW, ValueCoding.EXPONENT, 0, new.dtype, n, n, 0, (exponent_bytes(new), sign_mantissa))
     pairs = new.view(torch.uint8).view(-1, 2)  # column copies: 4x faster than a transpose on CPU
     planes = (pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
     return Packed(Mode.RAW, ValueCoding.NONE, 0, new.dtype, n, n, 0, planes)
@@ -204,13 +248,14 @@ def may_pack_raw(change: Change) -> bool:
 
 
 def pack_delta(change: Change, new: Tensor | None = None) -> Packed:
-    """A SPARSE payload of `change`, or RAW when that is smaller.
+    """A SPARSE payload of `change` (CLASSED where it carries the old exponents), or RAW when
+    that is smaller.
 
-    Small tensors carry both packings and `serialize` keeps the smaller one; for large ones an
+    Small tensors carry every packing and `serialize` keeps the smallest; for large ones an
     estimate decides, since compressing both would double the host's work.  `new`, the whole
     new tensor, is needed only where `may_pack_raw(change)`.
     """
-    n, m, device = change.numel, change.index.numel(), change.index.device
+    n, m = change.numel, change.index.numel()
     if may_pack_raw(change):
         if new is None:
             raise ValueError("this change may be stored whole: pack_delta needs the new tensor")
@@ -227,14 +272,104 @@ def pack_delta(change: Change, new: Tensor | None = None) -> Packed:
     if m * low_bits + _high_len(n, m, low_bits) + 2 * m + magnitude_bits > 12 * n:
         assert new is not None  # may_pack_raw holds wherever this estimate can win
         return pack_full(new)
-    index = change.index
+    raw = pack_full(new) if n <= _BOTH_BELOW and m else None
+    classed = _pack_classed(change, change.exponents, step, unit, far) if change.exponents is not None and m else None
+    if classed is None:
+        return _pack_sparse(change, step, unit, far, raw)
+    return replace(classed, alternative=_pack_sparse(change, step, unit, far, raw) if n <= _BOTH_BELOW else None)
+
+
+def _pack_sparse(change: Change, step: Tensor, unit: Tensor, far: Tensor, alternative: Packed | None) -> Packed:
+    n, m, k, index = change.numel, change.index.numel(), far.numel(), change.index
+    low_bits = _low_bits(n, m)
     low = _pack_fixed(index & ((1 << low_bits) - 1), low_bits)
-    high = torch.zeros(_high_len(n, m, low_bits), dtype=torch.bool, device=device)
-    high[(index >> low_bits) + torch.arange(m, device=device)] = True
+    high = torch.zeros(_high_len(n, m, low_bits), dtype=torch.bool, device=index.device)
+    high[(index >> low_bits) + torch.arange(m, device=index.device)] = True
+    sections = (low, _pack_bits(high), *_value_sections(step, unit, far))
+    return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, change.dtype, n, m, k, sections, alternative=alternative)
+
+
+def _pack_classed(change: Change, exponents: Tensor, step: Tensor, unit: Tensor, far: Tensor) -> Packed | None:
+    """Each change's position as its rank among the old tensor's elements of the same exponent,
+    one Elias-Fano sequence per class; the changes, and so their values, in class order.  None
+    where the classes' sequences would not be shorter than one over the tensor."""
+    n, m, device = change.numel, change.index.numel(), change.index.device
+    order, first, members = _class_order(exponents)
+    classes = exponents.index_select(0, change.index).long()
+    by_class = torch.argsort(classes, stable=True)  # positions stay ascending within a class
+    keys, changed = torch.unique_consecutive(classes[by_class], return_counts=True)
+    starts, sizes = first.index_select(0, keys).tolist(), members.index_select(0, keys).tolist()
+    counts = changed.tolist()
+    table = tuple(zip(keys.tolist(), sizes, counts, strict=True))
+    # A change's rank in its class: where its position falls among the class's ascending members.
+    positions = change.index[by_class].split(counts)
+    ranks = torch.cat(
+        [torch.searchsorted(order[a : a + b], p) for a, b, p in zip(starts, sizes, positions, strict=True)]
+    )
+    low_total, high_total = _class_bits(table)
+    plain = _low_bits(n, m)
+    if low_total + high_total + 32 * len(table) >= m * plain + _high_len(n, m, plain):
+        return None  # no exponent structure to use
+    layout = _ClassLayout(table, device)
+    low_bits = layout.per_change(layout.low_bits)
+    high = torch.zeros(layout.high_total, dtype=torch.bool, device=device)
+    high[layout.per_change(layout.high_start) + (ranks >> low_bits) + layout.within] = True
+    step, unit = step[by_class], unit[by_class]
+    sections = (
+        _pack_bits(((ranks.unsqueeze(1) >> layout.lanes) & 1).bool()[layout.low_mask(low_bits)]),
+        _pack_bits(high),
+        *_value_sections(step, unit, step[~unit].to(torch.int32)),
+    )
+    return Packed(Mode.CLASSED, ValueCoding.SPLIT, 0, change.dtype, n, m, far.numel(), sections, table)
+
+
+def _value_sections(step: Tensor, unit: Tensor, far: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The unit flags, the signs and the magnitude planes of the changes, in the given order."""
     magnitude = (far.abs() - 2).to(torch.int16).view(torch.uint8).view(-1, 2).t().reshape(-1)
-    sections = (low, _pack_bits(high), _pack_bits(unit), _pack_bits(step > 0), magnitude)
-    alternative = pack_full(new) if n <= _BOTH_BELOW and m else None
-    return Packed(Mode.SPARSE, ValueCoding.SPLIT, low_bits, change.dtype, n, m, k, sections, alternative)
+    return _pack_bits(unit), _pack_bits(step > 0), magnitude
+
+
+def _class_order(exponents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The tensor's positions in class order (exponent, then position), and where each of the 256
+    classes starts in it and how many members it has."""
+    values, order = torch.sort(exponents, stable=True)
+    ends = torch.searchsorted(values, torch.arange(256, dtype=torch.uint8, device=values.device), right=True)
+    starts = F.pad(ends[:-1], (1, 0))
+    return order, starts, ends - starts
+
+
+class _ClassLayout:
+    """Where each class of a CLASSED payload lies in its bit streams, from the class table alone.
+
+    Classes follow each other in both streams; a class of `n_c` members and `m_c` changes has
+    `m_c * l_c` low bits and `H(n_c, m_c, l_c)` high bits, with `l_c = _low_bits(n_c, m_c)`.
+    """
+
+    def __init__(self, table: tuple[tuple[int, int, int], ...], device: torch.device) -> None:
+        members = [members for _, members, _ in table]
+        counts = [changed for _, _, changed in table]
+        low_bits = [_low_bits(n, m) for n, m in zip(members, counts, strict=True)]
+        high_lens = [_high_len(n, m, bits) for n, m, bits in zip(members, counts, low_bits, strict=True)]
+        self.low_total, self.high_total = _class_bits(table)
+
+        def tensor(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.members, self.counts, self.low_bits = tensor(members), tensor(counts), tensor(low_bits)
+        self.high_lens, self.high_start = tensor(high_lens), tensor(_starts(high_lens))
+        self.within = torch.arange(sum(counts), device=device) - self.per_change(tensor(_starts(counts)))
+        self.lanes = torch.arange(max(low_bits, default=0), device=device)
+
+    def per_change(self, per_class: Tensor) -> Tensor:
+        return per_class.repeat_interleave(self.counts)
+
+    def low_mask(self, low_bits: Tensor) -> Tensor:
+        """(changes x widest class) mask of the low bits each change has: row-major, the stream."""
+        return self.lanes < low_bits.unsqueeze(1)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return list(accumulate(sizes, initial=0))[:-1]
 
 
 _BOTH_BELOW = 4096
@@ -252,6 +387,9 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
         return one if len(one) <= len(other) else other
     header = _HEADER.pack(MAGIC, packed.mode, packed.values, packed.low_bits, DTYPE_CODES[packed.dtype])
     parts = [header, _varint(packed.n), _varint(packed.m), _varint(packed.k)]
+    if packed.mode == Mode.CLASSED:
+        parts.append(_varint(len(packed.classes)))
+        parts += [bytes([key]) + _varint(members) + _varint(changed) for key, members, changed in packed.classes]
     for section, compressible in zip(packed.sections, _COMPRESSIBLE[packed.values], strict=True):
         raw = memoryview(section.contiguous().numpy())
         compressor, data = Compressor.NONE, raw
@@ -287,8 +425,13 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
         raise FormatError("RAW tensor payload with inconsistent header fields")
     if mode == Mode.SPARSE and (m > n or k > m or coding != ValueCoding.SPLIT or low_bits != _low_bits(n, m)):
         raise FormatError(f"SPARSE tensor payload with inconsistent header (n={n}, m={m}, k={k}, l={low_bits})")
+    classes: tuple[tuple[int, int, int], ...] = ()
+    if mode == Mode.CLASSED:
+        if dtype not in _EXPONENT_SHIFT or coding != ValueCoding.SPLIT or low_bits or not 0 < m <= n or k > m:
+            raise FormatError(f"CLASSED tensor payload with inconsistent header (n={n}, m={m}, k={k}, l={low_bits})")
+        classes, pos = _read_classes(view, pos, n, m, _EXPONENT_SHIFT[dtype][1])
     sections = []
-    for size in _section_sizes(mode, n, m, k, low_bits):
+    for size in _section_sizes(mode, n, m, k, low_bits, classes):
         if pos >= len(view):
             raise FormatError("tensor payload truncated before a section")
         compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
@@ -298,7 +441,33 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
         sections.append(_as_bytes_tensor(_decompress(compressor, data, size)))
     if pos != len(view):
         raise FormatError(f"tensor payload has {len(view) - pos} trailing bytes")
-    return Packed(mode, coding, low_bits, dtype, n, m, k, tuple(sections))
+    return Packed(mode, coding, low_bits, dtype, n, m, k, tuple(sections), classes)
+
+
+def _read_classes(view: memoryview, pos: int, n: int, m: int, top: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """A CLASSED payload's class table: ascending exponents up to `top`, each with its members and
+    changes, the changes summing to `m` and the members to at most `n`."""
+    count, pos = _read_varint(view, pos)
+    if not 0 < count <= top + 1:
+        raise FormatError(f"CLASSED tensor payload lists {count} exponent classes, at most {top + 1} exist")
+    classes, key, members_total = [], -1, 0
+    for _ in range(count):
+        if pos >= len(view):
+            raise FormatError("tensor payload truncated inside its class table")
+        if not key < view[pos] <= top:
+            raise FormatError(f"CLASSED tensor payload: exponent {view[pos]} out of order or above {top}")
+        key, (members, pos) = view[pos], _read_varint(view, pos + 1)
+        changed, pos = _read_varint(view, pos)
+        if not 0 < changed <= members:
+            raise FormatError(f"CLASSED tensor payload: exponent {key} has {changed} changes among {members}")
+        members_total += members
+        classes.append((key, members, changed))
+    if sum(c for _, _, c in classes) != m or members_total > n:
+        raise FormatError(
+            f"CLASSED tensor payload: its classes hold {members_total} elements and "
+            f"{sum(c for _, _, c in classes)} changes, the header {n} and {m}"
+        )
+    return tuple(classes), pos
 
 
 # ------------------------------------------------------------------ decode: unpack and apply
@@ -356,13 +525,17 @@ def decode_change(
     if m == 0:
         nothing = torch.empty(0, dtype=torch.int64, device=device)
         return Decoded(out.copy_(old), Change(nothing, bits[nothing], bits[nothing], n, old.dtype))
-    low = _unpack_fixed(sections[0], m, low_bits)
-    ones = _unpack_bits(sections[1], _high_len(n, m, low_bits)).nonzero().squeeze(1)
-    if ones.numel() != m:
-        raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
-    index = ((ones - torch.arange(m, device=device)) << low_bits) | low
-    if int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any()):
-        raise FormatError("changed positions are out of range or not strictly increasing")
+    if packed.mode == Mode.CLASSED:
+        in_class_order = _classed_positions(old, packed, sections[0], sections[1])
+        index, by_position = torch.sort(in_class_order)
+    else:
+        low = _unpack_fixed(sections[0], m, low_bits)
+        ones = _unpack_bits(sections[1], _high_len(n, m, low_bits)).nonzero().squeeze(1)
+        if ones.numel() != m:
+            raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
+        index, by_position = ((ones - torch.arange(m, device=device)) << low_bits) | low, None
+        if int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any()):
+            raise FormatError("changed positions are out of range or not strictly increasing")
     unit, positive = _unpack_bits(sections[2], m), _unpack_bits(sections[3], m)
     if int(unit.sum()) != m - packed.k:
         raise FormatError(f"tensor payload flags {m - int(unit.sum())} changes larger than one, header says {packed.k}")
@@ -373,7 +546,7 @@ def decode_change(
     step = torch.where(positive, step, -step)
     if packed.k and bool(((step > 32767) | (step < -32768)).any()):
         raise FormatError("a tensor payload holds a change larger than 16 bits")
-    step = step.to(torch.int16)
+    step = step.to(torch.int16) if by_position is None else step.to(torch.int16)[by_position]
     olds = bits.index_select(0, index)
     change = Change(index, olds, olds + step, n, old.dtype)
     new = out.view(torch.int16)
@@ -382,9 +555,37 @@ def decode_change(
     return Decoded(out, change)
 
 
+def _classed_positions(old: Tensor, packed: Packed, low_section: Tensor, high_section: Tensor) -> Tensor:
+    """The changed positions of a CLASSED payload, in class order (class, then position)."""
+    m, device = packed.m, old.device
+    order, first, members = _class_order(exponent_bytes(old))
+    layout = _ClassLayout(packed.classes, device)
+    keys = torch.tensor([key for key, _, _ in packed.classes], dtype=torch.int64, device=device)
+    if not torch.equal(members.index_select(0, keys), layout.members):
+        raise FormatError("CLASSED tensor payload was made against another tensor: its exponent classes differ")
+    low_bits = layout.per_change(layout.low_bits)
+    low = torch.zeros(m, layout.lanes.numel(), dtype=torch.bool, device=device)
+    low[layout.low_mask(low_bits)] = _unpack_bits(low_section, layout.low_total)
+    ones = _unpack_bits(high_section, layout.high_total).nonzero().squeeze(1)
+    if ones.numel() != m:
+        raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
+    start = layout.per_change(layout.high_start)
+    if bool(((ones < start) | (ones >= start + layout.per_change(layout.high_lens))).any()):
+        raise FormatError("Elias-Fano high bits set outside their exponent class")
+    ranks = ((ones - start - layout.within) << low_bits) | (low.long() << layout.lanes).sum(1)
+    if bool((ranks >= layout.per_change(layout.members)).any()) or bool(
+        ((ranks[1:] <= ranks[:-1]) & (layout.within[1:] > 0)).any()
+    ):
+        raise FormatError("changed positions are out of their class or not strictly increasing in it")
+    return order.index_select(0, layout.per_change(first.index_select(0, keys)) + ranks)
+
+
 def encode(old: Tensor | None, new: Tensor, options: CodecOptions | None = None) -> bytes:
     """Payload that turns `old` into `new` bit for bit; `old=None` stores `new` whole."""
-    packed = pack_full(new) if old is None else pack_delta(diff(old, new), new)
+    options = options or CodecOptions()
+    if old is None:
+        return serialize(pack_full(new).cpu(), options)
+    packed = pack_delta(diff(old, new, exponents=options.conditions(new.device)), new)
     return serialize(packed.cpu(), options)
 
 
@@ -438,17 +639,32 @@ def _high_len(n: int, m: int, low_bits: int) -> int:
     return m + ((n - 1) >> low_bits) + 1 if m else 0
 
 
-def _section_sizes(mode: Mode, n: int, m: int, k: int, low_bits: int) -> tuple[int, ...]:
+def _section_sizes(
+    mode: Mode, n: int, m: int, k: int, low_bits: int, classes: tuple[tuple[int, int, int], ...]
+) -> tuple[int, ...]:
     if mode == Mode.RAW:
         return (n, n)
     flags = (m + 7) // 8
-    return ((m * low_bits + 7) // 8, (_high_len(n, m, low_bits) + 7) // 8, flags, flags, 2 * k)
+    if mode == Mode.CLASSED:
+        low, high = _class_bits(classes)
+    else:
+        low, high = m * low_bits, _high_len(n, m, low_bits)
+    return ((low + 7) // 8, (high + 7) // 8, flags, flags, 2 * k)
+
+
+def _class_bits(classes: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
+    """Low and high bits of a CLASSED payload's positions: its classes' sequences back to back."""
+    low = high = 0
+    for _, members, changed in classes:
+        bits = _low_bits(members, changed)
+        low, high = low + changed * bits, high + _high_len(members, changed, bits)
+    return low, high
 
 
 _COMPRESSIBLE = {
     ValueCoding.NONE: (False, True),
     ValueCoding.EXPONENT: (True, False),
-    ValueCoding.SPLIT: (False, True, True, True, True),
+    ValueCoding.SPLIT: (False, True, True, True, True),  # SPARSE and CLASSED alike
 }
 """Encoder policy: mantissas and EF low bits are near-random; skip compressing them."""
 

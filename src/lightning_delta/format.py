@@ -79,8 +79,8 @@ __all__ = [
     "verify_blob",
 ]
 
-MAGIC = b"LDELTA\x00\x04"
-PART_FORMAT = "lightning_delta/4"
+MAGIC = b"LDELTA\x00\x05"
+PART_FORMAT = "lightning_delta/5"
 COMMIT_FORMAT = "lightning_delta.commit/2"
 RUN_FORMAT = "lightning_delta.run/2"
 RUN_MANIFEST = "run.json"
