@@ -19,8 +19,10 @@ from lightning_delta import (
     PublishError,
     SnapshotNotFoundError,
     Store,
+    codec,
 )
 from lightning_delta import format as fmt
+from lightning_delta.codec import CodecOptions, Context
 from tinylm import TinyLM
 
 
@@ -251,7 +253,7 @@ def test_a_step_with_a_foreign_object_is_refused(store_url):
     store = Store(store_url)
     foreign = b"PK\x03\x04" + bytes(range(60))  # a zip file, say
     replace_blob(store, 1, 0, 1, foreign)
-    with pytest.raises(FormatError, match="not a lightning_delta/4 part"):
+    with pytest.raises(FormatError, match="not a lightning_delta/5 part"):
         DeltaLoader(store_url).state_dict(1)
 
 
@@ -385,3 +387,21 @@ def test_a_base_is_packed_from_a_copy_the_next_step_does_not_touch(store_url, mo
     loader = DeltaLoader(store_url)
     assert torch.equal(loader.state_dict(1)[1]["w"], first)
     assert torch.equal(loader.state_dict(2)[1]["w"], tensors["w"])
+
+
+def test_exponent_context_chain_rebuilds_bit_exactly(store_url):
+    """What a GPU publisher writes by default (`Context.AUTO`), forced on the CPU: CLASSED deltas
+    and bridges rebuild every step exactly, in order and out of it."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=64)
+    options = CodecOptions(context=Context.EXPONENT)
+    with DeltaPublisher(store_url, model, base_every=4, codec_options=options) as pub:
+        truth = train(pub, model, 9, lr=1e-5)
+    store = Store(store_url)
+    sizes = [numel for numel, _ in store.manifest().payloads[0]]
+    parts = [store.read_part(step, 0, 1, bridge=step in (5, 9)) for step in range(2, 10)]
+    modes = {codec.parse(data, numel).mode for part in parts for data, numel in zip(part.payloads, sizes, strict=True)}
+    assert codec.Mode.CLASSED in modes and all(part.header.kind == fmt.Kind.DELTA for part in parts)
+    loader = DeltaLoader(store_url)
+    for step in [*range(1, 10), 3, 9, 6]:
+        assert_state(loader.state_dict(step)[1], truth[step])

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import MISSING
 
-from .codec import CodecOptions, Compressor
+from .codec import CodecOptions, Compressor, Context
 from .format import DTYPE_NAMES
 from .publisher import Backlog, check_schedule
 
@@ -55,6 +55,8 @@ class DeltaConfig:
     dtype: DType = DType.bfloat16
     compressor: Compressor = Compressor.ZSTD
     level: int = 1
+    context: Context = Context.AUTO
+    """Code delta positions per exponent class: AUTO does where the model lives on an accelerator."""
     backlog: Backlog = Backlog.BLOCK
     max_pending: int = 2
     """Snapshots that may wait for upload before `backlog` applies."""
@@ -79,7 +81,7 @@ class DeltaConfig:
             dtype=self.dtype.torch,
             submodule=submodule,
             storage_options=store.storage_options,
-            codec=CodecOptions(self.compressor, self.level),
+            codec=CodecOptions(self.compressor, self.level, context=self.context),
             backlog=self.backlog,
             max_pending=self.max_pending,
             keep_bases=self.keep_bases,

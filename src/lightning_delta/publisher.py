@@ -343,7 +343,7 @@ class DeltaPublisher:
                 pieces.append(_Piece(snapshot=group.bits.clone()))
                 changed_total += values.numel()
                 continue
-            change = codec.diff(group.bits, values)
+            change = codec.diff(group.bits, values, exponents=self.codec_options.conditions(values.device))
             whole = (values.clone() if shared else values) if codec.may_pack_raw(change) else None
             group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
             snapshot = group.bits.clone() if is_base else None  # the cache changes at the next step
