@@ -110,7 +110,8 @@ def _judge(run: Callable[[], str], expected_bytes: int, limit: float) -> tuple[s
 
 
 def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, bytes]]:
-    """(old, new, payload) seeds: RAW (both codings) and SPARSE, every compressor, several densities and sizes."""
+    """(old, new, payload) seeds: RAW (both codings), SPARSE and CLASSED, every compressor, several
+    densities and sizes."""
     g = torch.Generator().manual_seed(seed)
     corpus = []
     for n in (0, 1, 7, 100, 1000, 4096, 5000, 20000):
@@ -128,6 +129,16 @@ def codec_corpus(seed: int) -> list[tuple[torch.Tensor | None, torch.Tensor, byt
                     corpus.append((None, new, codec.encode(None, new, options)))
                     half = new.float().to(torch.float16)
                     corpus.append((None, half, codec.encode(None, half, options)))
+    classed = codec.CodecOptions(context=codec.Context.EXPONENT)
+    for n in (5000, 20000):  # CLASSED: small weights that change often, large ones that rarely do
+        for dtype in (torch.bfloat16, torch.float16):
+            small = torch.rand(n, generator=g) < 0.2
+            old = (torch.randn(n, generator=g) * torch.where(small, 1e-3, 1.0)).to(dtype)
+            hit = torch.rand(n, generator=g) < torch.where(small, 0.4, 0.01)
+            step = (hit * (1 + (torch.rand(n, generator=g) < 0.1) * 4)).to(torch.int16)
+            new = (old.view(torch.int16) + step).view(dtype)
+            corpus.append((old, new, codec.encode(old, new, classed)))
+            assert codec.parse(corpus[-1][2], n).mode == codec.Mode.CLASSED
     return corpus
 
 
