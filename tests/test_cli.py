@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -209,14 +210,10 @@ def test_materialize_writes_what_transformers_loads_and_never_overwrites_silentl
     assert run_cli(capsys, "materialize", chain, "--step", "4", str(out), "--force")[0] == 0
 
 
-def test_materialize_with_a_config_folder_loads_with_from_pretrained(tmp_path, capsys):
-    """Tied embeddings: published once, tied again by from_pretrained, or expanded by --alias."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def _tied_llama():
+    from transformers import LlamaConfig
 
-    from lightning_delta import DeltaPublisher
-
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=97,
         hidden_size=32,
         intermediate_size=64,
@@ -224,6 +221,16 @@ def test_materialize_with_a_config_folder_loads_with_from_pretrained(tmp_path, c
         num_attention_heads=2,
         tie_word_embeddings=True,
     )
+
+
+def _served_folder(tmp_path, capsys):
+    """A tiny tied-embedding Llama published once and materialized with its config folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from lightning_delta import DeltaPublisher
+
+    config = _tied_llama()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     store = str(tmp_path / "store")
@@ -233,6 +240,16 @@ def test_materialize_with_a_config_folder_loads_with_from_pretrained(tmp_path, c
     config.save_pretrained(config_dir)
     out = tmp_path / "served"
     assert run_cli(capsys, "materialize", store, "--step", "1", str(out), "--config", str(config_dir))[0] == 0
+    return model, store, out
+
+
+def test_materialize_with_a_config_folder_loads_with_from_pretrained(tmp_path, capsys):
+    """Tied embeddings: published once, tied again by from_pretrained, or expanded by --alias."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    model, store, out = _served_folder(tmp_path, capsys)
+    config = _tied_llama()
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tokens = torch.randint(0, 97, (2, 8))
@@ -268,3 +285,34 @@ def test_help_answers_without_importing_torch():
 def test_the_console_script_is_installed():
     proc = subprocess.run([sys.executable, "-m", "lightning_delta.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "materialize" in proc.stdout
+
+
+OLDEST_TRANSFORMERS = Path(sys.prefix) / "oldest-transformers"  # scripts/setup.sh puts 4.56.2 there
+
+
+@pytest.mark.slow
+def test_materialized_folder_loads_under_the_oldest_transformers(tmp_path, capsys):
+    """The extras allow transformers 4.56.2: its from_pretrained loads the folder with no missing or
+    unexpected keys, every weight bit for bit, the head tied again to the embedding."""
+    assert OLDEST_TRANSFORMERS.is_dir(), "run scripts/setup.sh: it installs the oldest transformers for this test"
+    model, _, out = _served_folder(tmp_path, capsys)
+    check = """
+import sys, torch, transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+assert transformers.__version__ == "4.56.2", transformers.__version__
+loaded, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True, torch_dtype=torch.bfloat16)
+assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+state, stored = loaded.state_dict(), load_file(sys.argv[1] + "/model.safetensors")
+assert set(state) == set(stored) | {"lm_head.weight"}, sorted(set(state) ^ set(stored))
+for name, tensor in stored.items():
+    assert torch.equal(state[name].view(torch.int16), tensor.view(torch.int16)), name
+assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+"""
+    env = {**os.environ, "PYTHONPATH": str(OLDEST_TRANSFORMERS)}
+    proc = subprocess.run([sys.executable, "-c", check, str(out)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+
+    stored = load_file(out / "model.safetensors")
+    assert torch.equal(stored["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
