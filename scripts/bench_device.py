@@ -5,7 +5,9 @@
 
 Prints, each the best of `--repeats` with the device synchronized around it:
   * codec: diff, pack, device-to-host copy and serialize of a delta of a bf16 shard, and its
-    decode, each as GB/s of the dense shard, next to a device memcpy of the same bytes;
+    decode, each as GB/s of the dense shard, next to a device memcpy of the same bytes; then the
+    same for a CLASSED delta (format 5, `Context.EXPONENT`) of an Adam-like update, whose small
+    weights change more often than large ones;
   * publisher: the time `DeltaPublisher.publish` holds the calling thread for a shard of that
     size whose fp32 masters moved like an RL step (the trainer's cost per step), against a bare
     cast + diff;
@@ -45,6 +47,12 @@ def rl_step(master: torch.Tensor, density: float) -> torch.Tensor:
     return torch.randn_like(master) * master.abs() * density * 2**-7
 
 
+def adam_step(master: torch.Tensor, density: float) -> torch.Tensor:
+    """An update of the same size for every weight, as Adam's normalised steps are: a weight
+    changes in bf16 about as often as the step crosses its ULP, so small weights change most."""
+    return torch.sign(torch.randn_like(master)) * master.abs().median() * density * 2**-10
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +88,21 @@ def main() -> None:
     rows["checksum, full rehash"] = timed(device, args.repeats, lambda: checksum(new.view(torch.int16)))
     assert torch.equal(codec.decode(old, payload).view(torch.int16), new.view(torch.int16))
     print(f"payload {len(payload):,} bytes ({len(payload) / (2 * n):.2%} of dense)\n")
+    adam = (master + adam_step(master, args.density)).to(torch.bfloat16)
+    classed = codec.CodecOptions(context=codec.Context.EXPONENT)
+    kept = codec.diff(old, adam, exponents=True)
+    rows["CLASSED: diff keeping the old exponents"] = timed(
+        device, args.repeats, lambda: codec.diff(old, adam, exponents=True)
+    )
+    rows["CLASSED: pack"] = timed(device, args.repeats, lambda: codec.pack_delta(kept, adam))
+    rows["CLASSED: encode, all stages"] = timed(device, args.repeats, lambda: codec.encode(old, adam, classed))
+    classed_payload, plain_payload = codec.encode(old, adam, classed), codec.encode(old, adam)
+    rows["CLASSED: decode (to the device)"] = timed(device, args.repeats, lambda: codec.decode(old, classed_payload))
+    assert torch.equal(codec.decode(old, classed_payload).view(torch.int16), adam.view(torch.int16))
+    print(
+        f"Adam-like update: {kept.index.numel() / n:.2%} changed, CLASSED payload {len(classed_payload):,} bytes, "
+        f"SPARSE {len(plain_payload):,} ({len(classed_payload) / len(plain_payload):.2f}x)\n"
+    )
     print("| stage | ms | GB/s of the dense shard |\n|---|---:|---:|")
     for stage, seconds in rows.items():
         print(f"| {stage} | {seconds * 1e3:.1f} | {gb / seconds:.1f} |")
