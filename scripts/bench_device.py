@@ -65,6 +65,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}: a {gb:.2f} GB bf16 shard, {args.density:.1%} of elements changed, torch {torch.__version__}")
 
+    torch.manual_seed(0)
     master = torch.randn(n, device=device) * 0.02
     old = master.to(torch.bfloat16)
     master += rl_step(master, args.density)
