@@ -264,19 +264,23 @@ _STEPS, _BASE_EVERY = 8, 4
 
 
 def build_chain(url: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
-    """A small published chain and the trainer's state at each step."""
+    """A small published chain and the trainer's state at each step: small weights change more
+    often than large ones, as under Adam, so its deltas and bridges are CLASSED payloads."""
     g = torch.Generator().manual_seed(seed)
+    scale = torch.where(torch.rand(5800, generator=g) < 0.5, 2e-4, 0.02)  # half of them small
     tensors = {
-        "a": (torch.randn(3000, generator=g) * 0.02).to(torch.bfloat16),
-        "b.weight": (torch.randn(40, 70, generator=g) * 0.02).to(torch.bfloat16),
+        "a": (torch.randn(3000, generator=g) * scale[:3000]).to(torch.bfloat16),
+        "b.weight": (torch.randn(40, 70, generator=g) * scale[3000:].view(40, 70)).to(torch.bfloat16),
         "norm": torch.ones(64, dtype=torch.bfloat16),
     }
     truth = {}
-    with DeltaPublisher(url, lambda: tensors, base_every=_BASE_EVERY) as publisher:
+    options = codec.CodecOptions(context=codec.Context.EXPONENT)
+    with DeltaPublisher(url, lambda: tensors, base_every=_BASE_EVERY, codec_options=options) as publisher:
         for step in range(1, _STEPS + 1):
             for t in tensors.values():
                 flat = t.view(-1).view(torch.int16)
-                hit = torch.rand(flat.numel(), generator=g) < 0.03
+                rate = torch.where(flat & 0x7FFF < 0x3A00, 0.3, 0.01)  # |w| below 2^-11: a small weight
+                hit = torch.rand(flat.numel(), generator=g) < rate
                 flat[hit] += 1
             truth[step] = {k: v.clone() for k, v in tensors.items()}
             publisher.publish(step)

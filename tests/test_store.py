@@ -219,4 +219,17 @@ def test_a_request_without_an_answer_is_logged_once(tmp_path, caplog, monkeypatc
     answered.set()
     reader.join()
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 1 and "no answer from its default endpoint" in messages[0] and "reading x" in messages[0]
+    assert len(messages) == 1 and "no answer from the local file system" in messages[0] and "reading x" in messages[0]
+
+
+def test_a_local_store_failure_names_the_file_system(tmp_path):
+    from lightning_delta import StoreError
+
+    store = Store(str(tmp_path / "store"))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    store._fs.cat_file = denied
+    with pytest.raises(StoreError, match=r"store \(the local file system\): access denied while reading run\.json"):
+        store.manifest()

@@ -47,10 +47,11 @@ class Store:
         options = {"skip_instance_cache": True, **(storage_options or {})}
         self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
         endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        self._endpoint = endpoint or "its default endpoint"
         self._said_slow = False
         self._root = self._root.rstrip("/")
         self._local = isinstance(self._fs, LocalFileSystem)
+        # Where requests go, for errors a user acts on: which server, or that there is none.
+        self._where = "the local file system" if self._local else f"endpoint {endpoint or 'the client default'}"
         self._run: fmt.Run | None = None
         self._ignored: set[tuple[str, str]] = set()
         self.bytes_read = 0
@@ -96,7 +97,7 @@ class Store:
                 with self._request(f"writing {key}"):
                     self._fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
             except FileNotFoundError:
-                raise StoreError(f"{self.url} (endpoint {self._endpoint}): the bucket does not exist") from None
+                raise StoreError(f"{self.url} ({self._where}): the bucket does not exist") from None
             return
         self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         temp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -149,7 +150,7 @@ class Store:
             what = _failure(err)
             if what is None:
                 raise
-            raise StoreError(f"{self.url} (endpoint {self._endpoint}): {what} while {action}") from None
+            raise StoreError(f"{self.url} ({self._where}): {what} while {action}") from None
         finally:
             timer.cancel()
 
@@ -159,7 +160,7 @@ class Store:
             log.warning(
                 "%s: no answer from %s after %d s while %s; the client keeps retrying",
                 self.url,
-                self._endpoint,
+                self._where,
                 SLOW_SECONDS,
                 action,
             )
