@@ -50,7 +50,7 @@ def pairs(draw):
     return as_tensor(old, dtype), as_tensor(new, dtype)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairs(), st.sampled_from(ALL_COMPRESSORS))
 def test_decode_of_encode_is_bit_identical(pair, options):
     old, new = pair
@@ -79,7 +79,7 @@ def structured_pairs(draw):
     return old, new.view(dtype)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairs() | structured_pairs(), st.sampled_from(ALL_COMPRESSORS))
 def test_exponent_context_decodes_bit_identically(pair, options):
     old, new = pair

@@ -31,7 +31,7 @@ import struct
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from itertools import accumulate
@@ -58,6 +58,7 @@ __all__ = [
     "decode_change",
     "diff",
     "encode",
+    "exponent_bytes",
     "may_pack_raw",
     "pack_delta",
     "pack_full",
@@ -315,8 +316,11 @@ def _pack_classed(change: Change, exponents: Tensor, step: Tensor, unit: Tensor,
     high = torch.zeros(layout.high_total, dtype=torch.bool, device=device)
     high[layout.per_change(layout.high_start) + (ranks >> low_bits) + layout.within] = True
     step, unit = step[by_class], unit[by_class]
+    low = torch.zeros(layout.low_total, dtype=torch.bool, device=device)
+    for bit, has in layout.low_planes(low_bits):
+        low[layout.low_offset[has] + bit] = ((ranks[has] >> bit) & 1).bool()
     sections = (
-        _pack_bits(((ranks.unsqueeze(1) >> layout.lanes) & 1).bool()[layout.low_mask(low_bits)]),
+        _pack_bits(low),
         _pack_bits(high),
         *_value_sections(step, unit, step[~unit].to(torch.int32)),
     )
@@ -358,14 +362,19 @@ class _ClassLayout:
         self.members, self.counts, self.low_bits = tensor(members), tensor(counts), tensor(low_bits)
         self.high_lens, self.high_start = tensor(high_lens), tensor(_starts(high_lens))
         self.within = torch.arange(sum(counts), device=device) - self.per_change(tensor(_starts(counts)))
-        self.lanes = torch.arange(max(low_bits, default=0), device=device)
+        low_start = tensor(_starts([m * bits for m, bits in zip(counts, low_bits, strict=True)]))
+        self.low_offset = self.per_change(low_start) + self.within * self.per_change(self.low_bits)
+        self.widest = max(low_bits, default=0)
 
     def per_change(self, per_class: Tensor) -> Tensor:
         return per_class.repeat_interleave(self.counts)
 
-    def low_mask(self, low_bits: Tensor) -> Tensor:
-        """(changes x widest class) mask of the low bits each change has: row-major, the stream."""
-        return self.lanes < low_bits.unsqueeze(1)
+    def low_planes(self, low_bits: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """(bit, which changes have it) for each bit of the widest class's low part: a change's
+        bit `b` is at `low_offset + b` of the low stream.  A loop of at most 41 passes over the
+        changes, not a (changes x widest) matrix a hostile table could inflate."""
+        for bit in range(self.widest):
+            yield bit, low_bits > bit
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -564,15 +573,16 @@ def _classed_positions(old: Tensor, packed: Packed, low_section: Tensor, high_se
     if not torch.equal(members.index_select(0, keys), layout.members):
         raise FormatError("CLASSED tensor payload was made against another tensor: its exponent classes differ")
     low_bits = layout.per_change(layout.low_bits)
-    low = torch.zeros(m, layout.lanes.numel(), dtype=torch.bool, device=device)
-    low[layout.low_mask(low_bits)] = _unpack_bits(low_section, layout.low_total)
+    stream, low = _unpack_bits(low_section, layout.low_total), torch.zeros(m, dtype=torch.int64, device=device)
+    for bit, has in layout.low_planes(low_bits):
+        low[has] |= stream[layout.low_offset[has] + bit].long() << bit
     ones = _unpack_bits(high_section, layout.high_total).nonzero().squeeze(1)
     if ones.numel() != m:
         raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
     start = layout.per_change(layout.high_start)
     if bool(((ones < start) | (ones >= start + layout.per_change(layout.high_lens))).any()):
         raise FormatError("Elias-Fano high bits set outside their exponent class")
-    ranks = ((ones - start - layout.within) << low_bits) | (low.long() << layout.lanes).sum(1)
+    ranks = ((ones - start - layout.within) << low_bits) | low
     if bool((ranks >= layout.per_change(layout.members)).any()) or bool(
         ((ranks[1:] <= ranks[:-1]) & (layout.within[1:] > 0)).any()
     ):
