@@ -196,17 +196,16 @@ def test_golden_bytes_pin_the_format():
         "4c444301"
         "01"
         "01"
-        "01"
-        "01"  # magic, SPARSE, SPLIT, l=1, bfloat16
+        "00"
+        "01"  # magic, SPARSE, SPLIT, l = floor(log2(5 / 2)) - 1 = 0, bfloat16
         "05"
         "02"
         "00"  # varints n=5, m=2 changed, k=0 larger than one
         "00"
-        "01"
-        "00"  # low bits of positions 0 and 4: 0, 0
+        "00"  # no low bits
         "00"
         "01"
-        "09"  # high bits (5 of them): set at 0+0 and 2+1 -> 0b01001
+        "21"  # high bits (2 + 4 + 1 of them): set at 0+0 and 4+1 -> 0b0100001
         "00"
         "01"
         "03"  # both changes are +-1
@@ -354,10 +353,10 @@ def test_positions_must_strictly_increase():
     new = old.clone().view(torch.int16)
     new[[3, 8]] = 1
     payload = bytearray(codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE)))
-    # n=64, m=2: l=5; low bits 3 and 8 packed as 3 | 8 << 5; both in bucket 0: high bits 0b011.
+    # n=64, m=2: l=4; low bits 3 and 8 packed as 3 | 8 << 4; both in bucket 0: high bits 0b011.
     low_at = 11 + 2  # after the 8-byte header, three 1-byte varints and the section's 2-byte prefix
-    assert payload[low_at : low_at + 2] == (3 | 8 << 5).to_bytes(2, "little")
-    payload[low_at : low_at + 2] = (8 | 3 << 5).to_bytes(2, "little")  # positions 8, 3
+    assert payload[low_at] == 3 | 8 << 4
+    payload[low_at] = 8 | 3 << 4  # positions 8, 3
     with pytest.raises(FormatError, match="strictly increasing"):
         codec.decode(old, bytes(payload))
 
