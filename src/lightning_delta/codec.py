@@ -13,10 +13,11 @@ Between adjacent RL steps ~1-3% of bf16 elements change, most by one ULP.  So a 
 Under Adam a weight moves by about the same amount whatever its size, so small weights (small
 ULP) change far more often, and by more ULPs, than large ones.  A CLASSED delta therefore codes
 the positions per exponent class of the old value, which the decoder holds: each class gets an
-Elias-Fano sequence over its own members, so its own density (0.7x the order-0 bound of the
-change on a realistic RL sequence, docs/BENCHMARKS.md).  Finding each change's rank among its
-class costs a stable sort of the tensor's exponent bytes: nothing on a GPU, several times the rest
-of the codec on a CPU, which is why `Context.AUTO` uses it on accelerators only.
+Elias-Fano sequence over its own members, so its own density (on a realistic RL sequence 0.8x
+the order-0 bound of the change and 0.7x a SPARSE delta's bytes, docs/BENCHMARKS.md).  Finding
+each change's rank among its class costs a stable sort of the tensor's exponent bytes: nothing on
+a GPU, several times the rest of the codec on a CPU, which is why `Context.AUTO` uses it on
+accelerators only.
 
 `diff`, `pack_full` and `pack_delta` are torch code that runs on the tensors' device; only the
 packed sections, a few bytes per change, go to the host for `serialize`.  `parse` validates every
@@ -121,7 +122,7 @@ class CodecOptions:
     """Payloads a publisher compresses at once (zstd and lz4 release the GIL): a base of many
     payloads is spread over this many host cores instead of one."""
     context: Context = Context.AUTO
-    """CLASSED deltas are ~30% smaller but sort the tensor's exponent bytes: free on a GPU, 5-10x the
+    """CLASSED deltas are ~30% smaller but sort the tensor's exponent bytes: free on a GPU, 7-10x the
     codec's time on a CPU (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
