@@ -372,7 +372,7 @@ class _ClassLayout:
 
     def low_planes(self, low_bits: Tensor) -> Iterator[tuple[int, Tensor]]:
         """(bit, which changes have it) for each bit of the widest class's low part: a change's
-        bit `b` is at `low_offset + b` of the low stream.  A loop of at most 41 passes over the
+        bit `b` is at `low_offset + b` of the low stream.  A loop of at most 40 passes over the
         changes, not a (changes x widest) matrix a hostile table could inflate."""
         for bit in range(self.widest):
             yield bit, low_bits > bit
