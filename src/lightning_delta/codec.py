@@ -353,9 +353,9 @@ class _ClassLayout:
     def __init__(self, table: tuple[tuple[int, int, int], ...], device: torch.device) -> None:
         members = [members for _, members, _ in table]
         counts = [changed for _, _, changed in table]
-        low_bits = [_low_bits(n, m) for n, m in zip(members, counts, strict=True)]
-        high_lens = [_high_len(n, m, bits) for n, m, bits in zip(members, counts, low_bits, strict=True)]
-        self.low_total, self.high_total = _class_bits(table)
+        low_bits, high_lens = _class_widths(table)
+        low_lens = [m * bits for m, bits in zip(counts, low_bits, strict=True)]
+        self.low_total, self.high_total = sum(low_lens), sum(high_lens)
 
         def tensor(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
@@ -363,8 +363,7 @@ class _ClassLayout:
         self.members, self.counts, self.low_bits = tensor(members), tensor(counts), tensor(low_bits)
         self.high_lens, self.high_start = tensor(high_lens), tensor(_starts(high_lens))
         self.within = torch.arange(sum(counts), device=device) - self.per_change(tensor(_starts(counts)))
-        low_start = tensor(_starts([m * bits for m, bits in zip(counts, low_bits, strict=True)]))
-        self.low_offset = self.per_change(low_start) + self.within * self.per_change(self.low_bits)
+        self.low_offset = self.per_change(tensor(_starts(low_lens))) + self.within * self.per_change(self.low_bits)
         self.widest = max(low_bits, default=0)
 
     def per_change(self, per_class: Tensor) -> Tensor:
@@ -667,13 +666,17 @@ def _section_sizes(
     return ((low + 7) // 8, (high + 7) // 8, flags, flags, 2 * k)
 
 
+def _class_widths(classes: tuple[tuple[int, int, int], ...]) -> tuple[list[int], list[int]]:
+    """Per class of a CLASSED payload: its Elias-Fano low-bit width and its high-bit length."""
+    widths = [_low_bits(members, changed) for _, members, changed in classes]
+    highs = [_high_len(members, changed, bits) for (_, members, changed), bits in zip(classes, widths, strict=True)]
+    return widths, highs
+
+
 def _class_bits(classes: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
     """Low and high bits of a CLASSED payload's positions: its classes' sequences back to back."""
-    low = high = 0
-    for _, members, changed in classes:
-        bits = _low_bits(members, changed)
-        low, high = low + changed * bits, high + _high_len(members, changed, bits)
-    return low, high
+    widths, highs = _class_widths(classes)
+    return sum(changed * bits for (_, _, changed), bits in zip(classes, widths, strict=True)), sum(highs)
 
 
 _COMPRESSIBLE = {
