@@ -232,8 +232,9 @@ def exponent_bound_bits(old: torch.Tensor, new: torch.Tensor) -> float:
 
 
 def _ef_bits(n: torch.Tensor, m: torch.Tensor) -> float:
-    """Elias-Fano bits of m positions among n, per entry of the (n, m) tensors (this codec's rule
-    for the low-bit width)."""
+    """Textbook Elias-Fano bits of m positions among n (low-bit width floor(log2(n / m))), per
+    entry of the (n, m) tensors: an analytic estimate before zstd (the codec keeps one low bit
+    fewer, because zstd codes the high bits)."""
     n, m = n[m > 0].double(), m[m > 0].double()
     low = torch.floor(torch.log2(n / m))
     return float((m * low + m + torch.floor((n - 1) / 2**low) + 1).sum())
