@@ -23,6 +23,8 @@ from lightning_delta import (
 )
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
+from lightning_delta.publisher import PublisherSettings, step_metrics
+from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
 
@@ -159,6 +161,48 @@ def test_constructor_validates_its_arguments(store_url):
     ]:
         with pytest.raises(ValueError, match=message):
             DeltaPublisher(store_url, TinyLM(), **kwargs)
+
+
+def test_settings_check_their_arguments_before_any_model_exists(store_url):
+    for kwargs, message in [
+        ({"store": ""}, "store"),
+        ({"base_every": 0}, "base_every"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"max_pending": 0}, "max_pending"),
+        ({"keep_bases": 0}, "keep_bases"),
+        ({"backlog": "drop"}, "drop"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            PublisherSettings(**{"store": store_url, **kwargs})
+    settings = PublisherSettings(store_url, 3, "float16", backlog="coalesce", max_pending=1)
+    assert settings.dtype == torch.float16 and settings.backlog is Backlog.COALESCE
+    torch.manual_seed(0)
+    model = TinyLM()
+    with settings.publisher(model) as pub:
+        assert (pub.base_every, pub.dtype, pub.backlog) == (3, torch.float16, Backlog.COALESCE)
+        train(pub, model, 4)
+    store = Store(store_url)
+    assert [store.read_part(s, 0, 1).header.kind for s in range(1, 5)] == [fmt.Kind.BASE] + [fmt.Kind.DELTA] * 2 + [
+        fmt.Kind.BASE
+    ]
+    shipped = {name: t.detach().half() for name, t in named_tensors(model).items()}  # float16, as asked
+    assert_state(DeltaLoader(store_url).state_dict(4)[1], shipped)
+
+
+def test_step_metrics_report_the_diff_at_once_and_the_upload_once_it_finished(store_url):
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(store_url, model) as pub:
+        first = step_metrics(pub, pub.publish(1))
+        assert first["delta/changed_fraction"] == 1.0  # a base: every element is new
+        train(None, model, 1)
+        stats = pub.publish(2)
+        pub.flush()
+        metrics = step_metrics(pub, stats)
+    assert 0 < metrics["delta/changed_fraction"] == stats.changed / stats.numel < 1
+    assert metrics["delta/last_published_step"] == 2.0 and metrics["delta/queue_depth"] == 0.0
+    assert metrics["delta/compression_ratio"] == pytest.approx(2 * stats.numel / metrics["delta/stored_bytes"])
+    assert metrics["delta/compression_ratio"] > 2 and metrics["delta/skipped_steps"] == 0.0
 
 
 class SlowStore(Store):

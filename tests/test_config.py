@@ -24,8 +24,9 @@ def test_instantiate_builds_the_callback_from_the_shipped_yaml():
     conf = OmegaConf.load(ROOT / "src" / "lightning_delta" / "conf" / "callbacks" / "delta.yaml")
     callback = instantiate(conf.delta, store="s3://bucket/run", base_every=10)
     assert isinstance(callback, DeltaCallback)
-    assert (callback.store, callback.base_every, callback.dtype) == ("s3://bucket/run", 10, torch.bfloat16)
-    assert callback.backlog == Backlog.BLOCK and callback.keep_bases is None
+    settings = callback.settings
+    assert (settings.store, settings.base_every, settings.dtype) == ("s3://bucket/run", 10, torch.bfloat16)
+    assert settings.backlog == Backlog.BLOCK and settings.keep_bases is None
     packaged = lightning_delta.__file__.replace("__init__.py", "conf/callbacks/delta.yaml")
     assert OmegaConf.load(packaged) == conf  # the configs ship with the installed package
 

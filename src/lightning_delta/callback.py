@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from .codec import CodecOptions
 from .errors import UnsupportedStrategyError
-from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
+from .publisher import Backlog, DeltaPublisher, PublisherSettings, step_metrics
 
 __all__ = ["DeltaCallback"]
 
@@ -57,13 +57,10 @@ class DeltaCallback(Callback):
         keep_bases: int | None = None,
         probe: Callable[[pl.LightningModule], torch.Tensor] | None = None,
     ) -> None:
-        if not store:
-            raise ValueError("store must be a URL or a local path")
-        check_schedule(base_every, max_pending, keep_bases)
-        self.store, self.base_every, self.submodule = store, base_every, submodule
-        self.dtype, self.keep_bases = shipped_dtype(dtype), keep_bases
-        self.storage_options = dict(storage_options or {})
-        self.codec, self.backlog, self.max_pending = codec, Backlog(backlog), max_pending
+        self.settings = PublisherSettings(
+            store, base_every, dtype, storage_options, codec, backlog, max_pending, keep_bases
+        )
+        self.submodule = submodule
         self.probe = probe
         self.publisher: DeltaPublisher | None = None
         self._run_id: str | None = None
@@ -72,7 +69,7 @@ class DeltaCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(store=self.store, submodule=self.submodule)
+        return self._generate_state_key(store=self.settings.store, submodule=self.submodule)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -101,20 +98,12 @@ class DeltaCallback(Callback):
         if trainer.fast_dev_run:  # publishes nothing
             return
         module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
-        self.publisher = DeltaPublisher(
-            self.store,
-            module,
-            base_every=self.base_every,
-            dtype=self.dtype,
-            storage_options=self.storage_options,
-            codec_options=self.codec,
-            max_pending=self.max_pending,
-            backlog=self.backlog,
-            run_id=self._run_id if trainer.global_step > 0 else None,
-            keep_bases=self.keep_bases,
-        )
+        self.publisher = self.settings.publisher(module, run_id=self._run_id if trainer.global_step > 0 else None)
         self._run_id = self.publisher.run_id
-        rank_zero_info(f"DeltaCallback: publishing run {self._run_id} to {self.store} (base every {self.base_every})")
+        settings = self.settings
+        rank_zero_info(
+            f"DeltaCallback: publishing run {self._run_id} to {settings.store} (base every {settings.base_every})"
+        )
         # Resuming: steps up to the store's last may come from after the checkpoint (a crash); the
         # new trajectory publishes only past them, starting with a base, so loaders see one chain.
         self._last_step = max(trainer.strategy.broadcast(self.publisher.last_step), trainer.global_step)
@@ -140,30 +129,9 @@ class DeltaCallback(Callback):
         stats = self.publisher.publish(step, probe)
         self._last_step = step
         if trainer.is_global_zero and trainer.loggers:
-            metrics = self._metrics(stats)
+            metrics = step_metrics(self.publisher, stats)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
-
-    def _metrics(self, stats: PublishStats) -> dict[str, float]:
-        """Rank zero's own numbers: logging them needs no collective."""
-        assert self.publisher is not None
-        metrics = {
-            "delta/changed_fraction": stats.changed / stats.numel if stats.numel else 0.0,
-            "delta/diff_ms": stats.diff_ms,
-            "delta/queue_depth": float(self.publisher.pending),
-            "delta/skipped_steps": float(self.publisher.skipped),
-        }
-        upload = self.publisher.last_upload
-        if upload is not None:  # the newest step whose upload finished, usually an earlier one
-            metrics.update(
-                {
-                    "delta/last_published_step": float(upload.step),
-                    "delta/stored_bytes": float(upload.stored_bytes),
-                    "delta/compression_ratio": upload.dense_bytes / max(upload.stored_bytes, 1),
-                    "delta/upload_ms": upload.upload_ms,
-                }
-            )
-        return metrics
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

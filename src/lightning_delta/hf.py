@@ -18,7 +18,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .codec import CodecOptions
-from .publisher import Backlog, DeltaPublisher, PublishStats, check_schedule, shipped_dtype
+from .publisher import Backlog, DeltaPublisher, PublisherSettings, step_metrics
 
 __all__ = ["DeltaTrainerCallback"]
 
@@ -54,15 +54,12 @@ class DeltaTrainerCallback(TrainerCallback):
         run_id: str | None = None,
         probe: Callable[[nn.Module], torch.Tensor] | None = None,
     ) -> None:
-        if not store:
-            raise ValueError("store must be a URL or a local path")
-        check_schedule(base_every, max_pending, keep_bases)
-        self.store, self.base_every, self.dtype = store, base_every, shipped_dtype(dtype)
-        self.storage_options, self.codec = dict(storage_options or {}), codec
-        self.backlog, self.max_pending, self.keep_bases = Backlog(backlog), max_pending, keep_bases
+        self.settings = PublisherSettings(
+            store, base_every, dtype, storage_options, codec, backlog, max_pending, keep_bases
+        )
         self.run_id, self.probe = run_id, probe
         self.publisher: DeltaPublisher | None = None
-        self.last: PublishStats | None = None
+        self.metrics: dict[str, float] = {}  # the last publish's, for the next `on_log`
         self._last_step = 0
 
     def on_train_begin(
@@ -74,20 +71,9 @@ class DeltaTrainerCallback(TrainerCallback):
         if run_id is None and state.global_step > 0:  # resumed from a checkpoint: continue the prefix's run
             from .store import Store
 
-            manifest = Store(self.store, self.storage_options).manifest()
+            manifest = Store(self.settings.store, self.settings.storage_options).manifest()
             run_id = manifest.run_id if manifest else None
-        self.publisher = DeltaPublisher(
-            self.store,
-            model,
-            base_every=self.base_every,
-            dtype=self.dtype,
-            storage_options=self.storage_options,
-            codec_options=self.codec,
-            max_pending=self.max_pending,
-            backlog=self.backlog,
-            run_id=run_id,
-            keep_bases=self.keep_bases,
-        )
+        self.publisher = self.settings.publisher(model, run_id=run_id)
         self.run_id = self.publisher.run_id
         # A resumed fit publishes only past what the store holds (a crash may have published more).
         self._last_step = max(self.publisher.last_step, state.global_step)
@@ -101,7 +87,7 @@ class DeltaTrainerCallback(TrainerCallback):
         if self.probe is not None and model is not None:
             with torch.no_grad():
                 probe = self.probe(model)
-        self.last = self.publisher.publish(state.global_step, probe)
+        self.metrics = step_metrics(self.publisher, self.publisher.publish(state.global_step, probe))
         self._last_step = state.global_step
 
     def on_log(
@@ -113,22 +99,12 @@ class DeltaTrainerCallback(TrainerCallback):
         **_,
     ) -> None:
         """The main process's own numbers (no collective), into the logs and `state.log_history`."""
-        if self.publisher is None or self.last is None or not state.is_world_process_zero:
+        if not self.metrics or not state.is_world_process_zero:
             return
-        metrics = {
-            "delta/changed_fraction": self.last.changed / self.last.numel if self.last.numel else 0.0,
-            "delta/diff_ms": self.last.diff_ms,
-            "delta/queue_depth": float(self.publisher.pending),
-            "delta/skipped_steps": float(self.publisher.skipped),
-        }
-        upload = self.publisher.last_upload
-        if upload is not None:
-            metrics["delta/last_published_step"] = float(upload.step)
-            metrics["delta/stored_bytes"] = float(upload.stored_bytes)
         if logs is not None:
-            logs.update(metrics)
+            logs.update(self.metrics)
         if state.log_history:
-            state.log_history[-1].update(metrics)
+            state.log_history[-1].update(self.metrics)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_) -> None:
         if self.publisher is not None:

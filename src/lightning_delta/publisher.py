@@ -43,7 +43,16 @@ from .merged import is_peft_model, merged_tensors
 from .shards import OwnedSlice, named_tensors, plan, read_slice
 from .store import Store, as_store
 
-__all__ = ["Backlog", "DeltaPublisher", "PublishStats", "UploadStats", "check_schedule", "shipped_dtype"]
+__all__ = [
+    "Backlog",
+    "DeltaPublisher",
+    "PublishStats",
+    "PublisherSettings",
+    "UploadStats",
+    "check_schedule",
+    "shipped_dtype",
+    "step_metrics",
+]
 
 log = logging.getLogger(__name__)
 
@@ -488,13 +497,73 @@ def _grouped(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[lis
 
 
 def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) -> None:
-    """The argument checks shared by the publisher, the callback and the config."""
+    """The argument checks shared by the publisher, its settings and the config."""
     if base_every < 1:
         raise ValueError(f"base_every must be >= 1, got {base_every}")
     if max_pending < 1:
         raise ValueError(f"max_pending must be >= 1, got {max_pending}")
     if keep_bases is not None and keep_bases < 1:
         raise ValueError(f"keep_bases must be >= 1 or None, got {keep_bases}")
+
+
+@dataclass(frozen=True)
+class PublisherSettings:
+    """A `DeltaPublisher`'s arguments besides its tensors, checked when given.
+
+    A framework callback holds them from its construction, where a wrong argument should fail,
+    until training starts and the model exists; then `publisher` builds the publisher.
+    """
+
+    store: str
+    base_every: int = 25
+    dtype: torch.dtype | str = torch.bfloat16
+    storage_options: Mapping[str, Any] | None = None
+    codec_options: codec.CodecOptions | None = None
+    backlog: Backlog = Backlog.BLOCK
+    max_pending: int = 2
+    keep_bases: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.store:
+            raise ValueError("store must be a URL or a local path")
+        check_schedule(self.base_every, self.max_pending, self.keep_bases)
+        object.__setattr__(self, "dtype", shipped_dtype(self.dtype))
+        object.__setattr__(self, "backlog", Backlog(self.backlog))
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
+
+    def publisher(self, tensors: TensorSource, run_id: str | None = None) -> DeltaPublisher:
+        """The publisher of `tensors` (collective, as its construction is), continuing `run_id` if given."""
+        return DeltaPublisher(
+            self.store,
+            tensors,
+            base_every=self.base_every,
+            dtype=self.dtype,
+            storage_options=self.storage_options,
+            codec_options=self.codec_options,
+            max_pending=self.max_pending,
+            backlog=self.backlog,
+            run_id=run_id,
+            keep_bases=self.keep_bases,
+        )
+
+
+def step_metrics(publisher: DeltaPublisher, stats: PublishStats) -> dict[str, float]:
+    """A publish call's numbers for a trainer's loggers: this rank's own, so logging needs no
+    collective.  The upload figures are of the newest step whose upload finished, usually an
+    earlier one, and are absent until one has."""
+    metrics = {
+        "delta/changed_fraction": stats.changed / stats.numel if stats.numel else 0.0,
+        "delta/diff_ms": stats.diff_ms,
+        "delta/queue_depth": float(publisher.pending),
+        "delta/skipped_steps": float(publisher.skipped),
+    }
+    upload = publisher.last_upload
+    if upload is not None:
+        metrics["delta/last_published_step"] = float(upload.step)
+        metrics["delta/stored_bytes"] = float(upload.stored_bytes)
+        metrics["delta/compression_ratio"] = upload.dense_bytes / max(upload.stored_bytes, 1)
+        metrics["delta/upload_ms"] = upload.upload_ms
+    return metrics
 
 
 def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
