@@ -64,6 +64,8 @@ def test_every_optimizer_step_rebuilds_bit_exactly(tmp_path):
         assert torch.equal(replica.to(torch.bfloat16)(tokens).logits, model.to(torch.bfloat16)(tokens).logits)
     logged = [h for h in trainer.state.log_history if "delta/changed_fraction" in h]
     assert logged and all(0 <= h["delta/changed_fraction"] <= 1 for h in logged)
+    trainer.log({"eval_loss": 1.0})  # after training: no stale publishing figures
+    assert not any(key.startswith("delta/") for key in trainer.state.log_history[-1])
 
 
 def test_a_used_prefix_is_refused_before_training(tmp_path):

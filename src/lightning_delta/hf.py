@@ -107,6 +107,7 @@ class DeltaTrainerCallback(TrainerCallback):
             state.log_history[-1].update(self.metrics)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_) -> None:
+        self.metrics = {}  # an `evaluate()` after training logs no stale publishing figures
         if self.publisher is not None:
             publisher, self.publisher = self.publisher, None
             publisher.close()  # flushes pending uploads and raises their errors
