@@ -100,10 +100,8 @@ class DeltaCallback(Callback):
         module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
         self.publisher = self.settings.publisher(module, run_id=self._run_id if trainer.global_step > 0 else None)
         self._run_id = self.publisher.run_id
-        settings = self.settings
-        rank_zero_info(
-            f"DeltaCallback: publishing run {self._run_id} to {settings.store} (base every {settings.base_every})"
-        )
+        where, every = self.settings.store, self.settings.base_every
+        rank_zero_info(f"DeltaCallback: publishing run {self._run_id} to {where} (base every {every})")
         # Resuming: steps up to the store's last may come from after the checkpoint (a crash); the
         # new trajectory publishes only past them, starting with a base, so loaders see one chain.
         self._last_step = max(trainer.strategy.broadcast(self.publisher.last_step), trainer.global_step)
