@@ -174,12 +174,12 @@ def test_settings_check_their_arguments_before_any_model_exists(store_url):
     ]:
         with pytest.raises(ValueError, match=message):
             PublisherSettings(**{"store": store_url, **kwargs})
-    settings = PublisherSettings(store_url, 3, "float16", backlog="coalesce", max_pending=1)
-    assert settings.dtype == torch.float16 and settings.backlog is Backlog.COALESCE
+    settings = PublisherSettings(store_url, 3, "float16", backlog="block", max_pending=1)
+    assert settings.dtype == torch.float16 and settings.backlog is Backlog.BLOCK
     torch.manual_seed(0)
     model = TinyLM()
-    with settings.publisher(model) as pub:
-        assert (pub.base_every, pub.dtype, pub.backlog) == (3, torch.float16, Backlog.COALESCE)
+    with settings.publisher(model) as pub:  # BLOCK: every step is published, however busy the machine
+        assert (pub.base_every, pub.dtype, pub.backlog) == (3, torch.float16, Backlog.BLOCK)
         train(pub, model, 4)
     store = Store(store_url)
     assert [store.read_part(s, 0, 1).header.kind for s in range(1, 5)] == [fmt.Kind.BASE] + [fmt.Kind.DELTA] * 2 + [
