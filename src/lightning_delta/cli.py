@@ -59,8 +59,11 @@ def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
     run = store.manifest()
     assert run is not None
     try:
-        refs = [r for rank in range(world) for r in store.part_refs(step, rank, world)]
-        heads = [store.read_head(ref, rank, world) for rank, ref in enumerate(r for r in refs if not r.bridge)]
+        per_rank = [store.part_refs(step, rank, world) for rank in range(world)]
+        if not all(per_rank):  # retention deleted the step since `is_complete` saw it
+            raise SnapshotNotFoundError(f"step {step} was deleted while it was read")
+        refs = [r for rank_refs in per_rank for r in rank_refs]
+        heads = [store.read_head(rank_refs[0], rank, world) for rank, rank_refs in enumerate(per_rank)]
     except DeltaError as err:
         return {"step": step, "complete": True, "damaged": f"{type(err).__name__}: {err}"}
     kinds = {h.header.kind.value for h in heads}
