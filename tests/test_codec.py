@@ -401,12 +401,27 @@ def test_classed_high_bits_must_stay_in_their_class():
     assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
     high = bytearray(packed.sections[1].numpy().tobytes())
     at = payload.index(bytes(high))
-    for byte in range(len(high)):
-        for bit in range(8):
-            broken = bytearray(payload)
-            broken[at + byte] ^= 1 << bit
-            try:
-                got = codec.decode(old, bytes(broken))
-                assert got.shape == old.shape
-            except FormatError:
-                pass
+    refusals = set()
+
+    def try_decode(broken: bytearray) -> None:
+        try:
+            got = codec.decode(old, bytes(broken))
+            assert got.shape == old.shape
+        except FormatError as err:
+            refusals.add(str(err))
+
+    bits = [(byte, bit) for byte in range(len(high)) for bit in range(8)]
+    for byte, bit in bits:  # one flip: the count of set bits no longer matches the header
+        broken = bytearray(payload)
+        broken[at + byte] ^= 1 << bit
+        try_decode(broken)
+    # A set bit moved elsewhere keeps the count: only the per-class bounds can refuse it.
+    is_set = [bool(high[byte] >> bit & 1) for byte, bit in bits]
+    for i, (byte, bit) in enumerate(bits):
+        for j, (to_byte, to_bit) in enumerate(bits):
+            if is_set[i] and not is_set[j] and (i + j) % 4 == 0:
+                broken = bytearray(payload)
+                broken[at + byte] ^= 1 << bit
+                broken[at + to_byte] ^= 1 << to_bit
+                try_decode(broken)
+    assert "Elias-Fano high bits set outside their exponent class" in refusals

@@ -261,7 +261,7 @@ def test_records_write_what_they_read():
 def test_foreign_and_truncated_objects():
     with pytest.raises(FormatError, match="magic"):
         fmt.decode_blob(b"PK\x03\x04" + b"\0" * 40)
-    with pytest.raises(FormatError, match="magic"):  # a format 3 part
+    with pytest.raises(FormatError, match="magic"):  # a format 4 part
         fmt.decode_blob(b"LDELTA\x00\x04" + blob_of(header())[8:])
     with pytest.raises(FormatError, match="truncated"):
         fmt.decode_blob(b"LDELTA")
