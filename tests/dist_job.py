@@ -5,6 +5,8 @@
 It trains TinyLM with AdamW at an RL-like learning rate and `DeltaCallback`, and rank 0 saves the
 true full bf16 state after every optimizer step to TRUTH/step-XXXXXX.safetensors, gathered by
 itself (DTensor.full_tensor), so the test can compare what the loader rebuilds against it.
+With `--probe`, DeltaCallback publishes the log-probs of a fixed batch after every step (a no-grad
+forward, the documented probe), and rank 0 saves the same values to TRUTH/probe-XXXXXX.pt.
 """
 
 from __future__ import annotations
@@ -49,9 +51,17 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+PROBE = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def probe(pl_module: LM) -> torch.Tensor:
+    """Log-probs of a fixed batch: a forward on every rank (FSDP2 gathers the shards)."""
+    return torch.log_softmax(pl_module.model(PROBE).float(), dim=-1)
+
+
 class RecordTruth(pl.Callback):
-    def __init__(self, out: str) -> None:
-        self.out, self.last = out, 0
+    def __init__(self, out: str, probed: bool) -> None:
+        self.out, self.probed, self.last = out, probed, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.last:
@@ -61,8 +71,11 @@ class RecordTruth(pl.Callback):
         for name, t in named_tensors(pl_module.model).items():
             t = t.full_tensor() if isinstance(t, DTensor) else t  # a collective on every rank
             full[name] = t.detach().to(torch.bfloat16).contiguous()
+        expected = probe(pl_module) if self.probed else None  # a collective too
         if trainer.global_rank == 0:
             save_file(full, os.path.join(self.out, f"step-{trainer.global_step:06d}.safetensors"))
+            if expected is not None:
+                torch.save(expected, os.path.join(self.out, f"probe-{trainer.global_step:06d}.pt"))
 
 
 def main() -> None:
@@ -75,6 +88,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--endpoint", help="S3 endpoint URL (a test's moto server)")
+    p.add_argument("--probe", action="store_true", help="publish a probe's log-probs with every step")
     args = p.parse_args()
     os.makedirs(args.truth, exist_ok=True)
     torch.manual_seed(0)  # same initial weights and data on every rank
@@ -93,8 +107,14 @@ def main() -> None:
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         callbacks=[
-            DeltaCallback(args.store, base_every=args.base_every, submodule="model", storage_options=options),
-            RecordTruth(args.truth),
+            DeltaCallback(
+                args.store,
+                base_every=args.base_every,
+                submodule="model",
+                storage_options=options,
+                probe=probe if args.probe else None,
+            ),
+            RecordTruth(args.truth, args.probe),
         ],
         logger=False,
         enable_checkpointing=False,

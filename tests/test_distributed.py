@@ -57,12 +57,19 @@ def assert_rebuilds_every_step(store: str, truth: Path, steps: int) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory) -> tuple[str, Path]:
-    return run(tmp_path_factory.mktemp("fsdp2"), "--strategy", "fsdp2")
+    return run(tmp_path_factory.mktemp("fsdp2"), "--strategy", "fsdp2", "--probe")
 
 
-def test_fsdp2_chain_is_bit_exact(fsdp2_run):
+def test_fsdp2_chain_with_a_probe_is_bit_exact(fsdp2_run):
+    """The probe's no-grad forward leaves FSDP2's root unsharded: the publisher must still read
+    each rank's own shard (not the first rows of the full tensor, nor freed storage)."""
     store, truth = fsdp2_run
     assert_rebuilds_every_step(store, truth, 30)
+    loader = DeltaLoader(store)
+    for step in (1, 2, 30):
+        loader.state_dict(step)
+        expected = torch.load(truth / f"probe-{step:06d}.pt")
+        assert loader.last_report.probe == tuple(expected.flatten().tolist()), step
     parts = Store(store)
     kinds = {s: parts.read_part(s, 0, 2).header.kind for s in range(1, 31)}
     assert [s for s, k in kinds.items() if k == fmt.Kind.BASE] == [1, 11, 21]

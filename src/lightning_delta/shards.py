@@ -55,12 +55,15 @@ def named_tensors(module: nn.Module) -> dict[str, Tensor]:
     """Parameters and persistent floating-point buffers under wrapper-free names.
 
     Parameters come from `named_parameters()` (tied weights once); a buffer counts as persistent
-    when it appears in `state_dict()`, which is how torch itself decides.
+    when it appears in `state_dict()`, which is how torch itself decides.  `state_dict()` comes
+    first: FSDP2's pre-hook reshards a module that a no-grad forward (a probe) left unsharded and
+    frees the unsharded storage, so parameters taken before it would be full tensors whose memory
+    is gone; taken after it, they are each rank's own DTensor shards.
     """
     if isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module
-    out = {clean_name(n): p for n, p in module.named_parameters()}
     persistent = {clean_name(k) for k in module.state_dict(keep_vars=True)}
+    out = {clean_name(n): p for n, p in module.named_parameters()}
     for n, b in module.named_buffers():
         name = clean_name(n)
         if name in persistent and b.is_floating_point() and name not in out:
