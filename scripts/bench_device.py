@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_delta import DeltaLoader, DeltaPublisher, codec
+from lightning_delta import DeltaLoader, DeltaPublisher, LoaderSettings, PublisherSettings, codec
 from lightning_delta.checksum import checksum
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     weights = {"shard": torch.nn.Parameter(master)}
     bare = timed(device, args.repeats, lambda: codec.diff(old, weights["shard"].detach().to(torch.bfloat16)))
     with tempfile.TemporaryDirectory() as tmp:
-        with DeltaPublisher(tmp, weights, base_every=1000) as publisher:
+        with DeltaPublisher(tmp, weights, PublisherSettings(base_every=1000)) as publisher:
             publisher.publish(1)  # the base
             publisher.flush()
             host, stream, syncs = [], [], []
@@ -155,7 +155,7 @@ def main() -> None:
             f"{min(stream) * 1e3:.1f} ms to the training stream, {max(syncs)} host syncs; "
             f"bare cast + diff {bare * 1e3:.1f} ms ({min(stream) / bare:.2f}x)"
         )
-        loader = DeltaLoader(tmp, device=device)
+        loader = DeltaLoader(tmp, LoaderSettings(device=str(device)))
         loaded = [timed(device, 1, lambda: loader.state_dict(1))]
         loaded += [timed(device, 1, lambda s=step: loader.state_dict(s)) for step in range(2, 2 + args.repeats)]
         print(

@@ -30,7 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from lightning_delta import Backlog, DeltaCallback, DeltaLoader, codec
+from lightning_delta import Backlog, DeltaCallback, DeltaLoader, PublisherSettings, codec
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
@@ -182,7 +182,9 @@ def main() -> None:
                     train(args, [clock])
                     without.append(statistics.median(clock.step_seconds(args.warmup)))
                     continue
-                delta = TimedDeltaCallback(f"{tmp}/chain{round_}", base_every=args.base_every, submodule="policy")
+                delta = TimedDeltaCallback(
+                    f"{tmp}/chain{round_}", PublisherSettings(base_every=args.base_every), submodule="policy"
+                )
                 module = train(args, [clock, delta])
                 with_cb.append(statistics.median(clock.step_seconds(args.warmup)))
                 blocked += delta.blocked[args.warmup :]
@@ -221,11 +223,9 @@ def slowed(args: argparse.Namespace, base_step: float) -> None:
         clock = StepClock(keep_truth=True)
         delta = TimedDeltaCallback(
             f"slowfile://{tmp}/chain",
-            base_every=args.base_every,
+            PublisherSettings(base_every=args.base_every, backlog=Backlog.COALESCE, max_pending=1),
             submodule="policy",
             storage_options={"delay": args.slow_store},
-            backlog=Backlog.COALESCE,
-            max_pending=1,
         )
         started = time.perf_counter()
         train(args, [clock, delta])

@@ -25,7 +25,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file
 
-from lightning_delta import DeltaLoader, DeltaPublisher, Store
+from lightning_delta import DeltaLoader, DeltaPublisher, PublisherSettings, Store
 from lightning_delta import format as fmt
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     weights = {name: t.clone() for name, t in truth[1].items()}
     with tempfile.TemporaryDirectory() as tmp:
         url = f"counted://{tmp}/store"
-        with DeltaPublisher(url, lambda: weights, base_every=args.base_every) as publisher:
+        with DeltaPublisher(url, lambda: weights, PublisherSettings(base_every=args.base_every)) as publisher:
             for step in steps:
                 for name, tensor in truth[step].items():
                     weights[name].copy_(tensor)
@@ -99,7 +99,7 @@ def main() -> None:
         delta = sum(deltas) / len(deltas) / dense
         formula = (len(bases) + (len(window) - len(bases)) * delta) / len(window)
         full = len(window) * dense
-        manifest = len(store.read(fmt.RUN_MANIFEST))
+        manifest = len(store.objects.get(fmt.RUN_MANIFEST) or b"")
 
     w = len(window)
     print(

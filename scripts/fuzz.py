@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, Store, codec, records
+from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, PublisherSettings, Store, codec, records
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
+from lightning_delta.retention import collect
 
 FAILURES = ("wrong", "other", "bomb", "hang")
 _SLACK = 64 << 20
@@ -275,7 +276,8 @@ def build_chain(url: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
     }
     truth = {}
     options = codec.CodecOptions(context=codec.Context.EXPONENT)
-    with DeltaPublisher(url, lambda: tensors, base_every=_BASE_EVERY, codec_options=options) as publisher:
+    settings = PublisherSettings(base_every=_BASE_EVERY, codec=options)
+    with DeltaPublisher(url, lambda: tensors, settings) as publisher:
         for step in range(1, _STEPS + 1):
             for t in tensors.values():
                 flat = t.view(-1).view(torch.int16)
@@ -448,7 +450,7 @@ def _load_case(url: str, truth: dict, rng: random.Random) -> str:
         if not exact:
             return "wrong"
         outcomes.append("exact")
-    Store(url).collect(keep_bases=1)  # retention over a damaged store: a DeltaError or a clean run
+    collect(Store(url), keep_bases=1)  # retention over a damaged store: a DeltaError or a clean run
     return "exact" if "exact" in outcomes else "refused"
 
 

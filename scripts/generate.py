@@ -1,7 +1,7 @@
 """Follow a delta chain, swap each verified step into a tiny Llama (transformers), generate from it.
 
     python scripts/generate.py                               # replay the chain scripts/train.py wrote
-    python scripts/generate.py loader.jump=true loader.timeout=null   # follow a live run, newest step first
+    python scripts/generate.py follow.jump=true follow.timeout=null   # follow a live run, newest step first
     python scripts/generate.py store.url=/tmp/chain loader.device=cuda
 
 Each step is fetched and verified in the background while the model generates on the previous
@@ -41,9 +41,7 @@ def greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, contex
 def main(raw: DictConfig) -> None:
     cfg: GenerateConfig = OmegaConf.to_object(raw)
     device = cfg.loader.device
-    loader = DeltaLoader(
-        cfg.store.url, storage_options=cfg.store.storage_options, device=device, progress=cfg.loader.progress
-    )
+    loader = DeltaLoader(cfg.store.url, cfg.loader, storage_options=cfg.store.storage_options)
     if not loader.steps():
         raise SystemExit(f"no complete step in {cfg.store.url}: run scripts/train.py first")
     model = tiny_llama(**vars(cfg.model)).to(device=device, dtype=torch.bfloat16).eval()
@@ -53,14 +51,7 @@ def main(raw: DictConfig) -> None:
     columns += f" {'probe err':>9} {'probe logp':>10}"
     print(f"{columns}  generated")
     applied = 0
-    for followed in loader.follow(
-        poll_seconds=cfg.loader.poll_seconds,
-        prefetch=cfg.loader.prefetch,
-        max_staleness=cfg.loader.max_staleness,
-        catch_up=cfg.loader.catch_up,
-        jump=cfg.loader.jump,
-        timeout=cfg.loader.timeout,
-    ):
+    for followed in loader.follow(cfg.follow):
         swap = followed.apply_to(model)
         r = followed.report
         logprobs = probe_logprobs(model, probe)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from lightning_delta import Store
+from lightning_delta import DeltaCallback, Store
 from lightning_delta.config import TrainConfig, register_configs
 from lightning_delta.format import Kind
 from lightning_delta.traffic import stored_bytes, window_cost
@@ -79,7 +79,16 @@ def main(raw: DictConfig) -> None:
         accelerator="cpu",
         devices=1,
         max_steps=cfg.steps,
-        callbacks=[cfg.delta.callback(cfg.store, submodule="policy", probe=PolicyModule.probe), EveryTenSteps()],
+        callbacks=[
+            DeltaCallback(
+                cfg.store.url,
+                cfg.delta,
+                storage_options=cfg.store.storage_options,
+                submodule="policy",
+                probe=PolicyModule.probe,
+            ),
+            EveryTenSteps(),
+        ],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 sys.path.insert(0, os.path.dirname(__file__))
+from lightning_delta import PublisherSettings
 from lightning_delta.hf import DeltaTrainerCallback
 from tinylm import tiny_llama
 
@@ -105,7 +106,7 @@ def grpo(
         train_dataset=prompts,
         processing_class=tok,
         peft_config=peft_config,
-        callbacks=[DeltaTrainerCallback(store, base_every=base_every), *callbacks],
+        callbacks=[DeltaTrainerCallback(store, PublisherSettings(base_every=base_every)), *callbacks],
     )
     trainer.train()
     return trainer.model

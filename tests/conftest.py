@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_delta import DeltaPublisher
+from lightning_delta import DeltaPublisher, PublisherSettings
 from lightning_delta.shards import named_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,7 @@ def published_run(store_url: str, steps: int, base_every: int = 25) -> dict[int,
     """A seeded TinyLM trained for `steps` steps, each one published; its true bf16 state per step."""
     torch.manual_seed(0)
     model = TinyLM()
-    with DeltaPublisher(store_url, model, base_every=base_every) as pub:
+    with DeltaPublisher(store_url, model, PublisherSettings(base_every=base_every)) as pub:
         return train(pub, model, steps)
 
 
@@ -120,6 +122,101 @@ def replace_blob(store, step: int, rank: int, world: int, blob: bytes, *, bridge
     from lightning_delta import records
 
     marker = store.read_marker(step, rank, world, bridge=bridge)
-    store.write(fmt.blob_path(step, rank, world, bridge=bridge), blob)
+    store.objects.put(fmt.blob_path(step, rank, world, bridge=bridge), blob)
     signed = fmt.CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), marker.kind, marker.prev_step)
-    store.write(fmt.commit_path(step, rank, world, bridge=bridge), records.dumps(signed))
+    store.objects.put(fmt.commit_path(step, rank, world, bridge=bridge), records.dumps(signed))
+
+
+class DictObjects:
+    """An `ObjectStore` in a dict: the chain layer's tests fake the protocol, not fsspec."""
+
+    def __init__(self, url: str = "dict://chain") -> None:
+        self.url, self.bytes_read, self.objects = url, 0, {}
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        data = self.objects.get(key)
+        if data is None:
+            return None
+        data = data[start:end]
+        self.bytes_read += len(data)
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects[key] = bytes(data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        if key in self.objects:
+            return False
+        self.put(key, data)
+        return True
+
+    def list(self, key: str) -> list[str]:
+        prefix = f"{key}/"
+        return sorted({k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
+
+    def delete(self, keys) -> None:
+        for key in list(keys):
+            self.delete_prefix(key)
+
+    def delete_prefix(self, key: str) -> None:
+        for k in [k for k in self.objects if k == key or k.startswith(f"{key}/")]:
+            del self.objects[k]
+
+
+class HookedObjects:
+    """The local (or any fsspec) object store, calling the test's hooks before each write, read and
+    listing (with the key): how tests slow, stall, fail or watch a store without touching the
+    library's internals."""
+
+    def __init__(self, url: str, before_write=None, *, before_read=None, on_list=None) -> None:
+        from lightning_delta.objects import FsspecObjects
+
+        self.inner = FsspecObjects(url)
+        self.url = self.inner.url
+        nothing = lambda key: None  # noqa: E731
+        self.before_write, self.before_read, self.on_list = (
+            before_write or nothing,
+            before_read or nothing,
+            on_list or nothing,
+        )
+
+    @property
+    def bytes_read(self) -> int:
+        return self.inner.bytes_read
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        self.before_read(key)
+        return self.inner.get(key, start, end)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.before_write(key)
+        self.inner.put(key, data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        self.before_write(key)
+        return self.inner.create(key, data)
+
+    def list(self, key: str) -> list[str]:
+        self.on_list(key)
+        return self.inner.list(key)
+
+    def delete(self, keys) -> None:
+        self.inner.delete(keys)
+
+    def delete_prefix(self, key: str) -> None:
+        self.inner.delete_prefix(key)
+
+
+class Said(logging.Handler):
+    """A log handler that sets an event once a message containing `text` is logged: a test waits
+    on what a background thread said, not on a clock."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text, self.event, self.messages = text, threading.Event(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.text in message:
+            self.messages.append(message)
+            self.event.set()

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from lightning_delta import DeltaCallback
+from lightning_delta import DeltaCallback, PublisherSettings
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
@@ -109,7 +109,7 @@ def main() -> None:
         callbacks=[
             DeltaCallback(
                 args.store,
-                base_every=args.base_every,
+                PublisherSettings(base_every=args.base_every),
                 submodule="model",
                 storage_options=options,
                 probe=probe if args.probe else None,

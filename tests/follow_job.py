@@ -14,7 +14,7 @@ import sys
 
 from safetensors.torch import save_file
 
-from lightning_delta import DeltaLoader
+from lightning_delta import DeltaLoader, FollowSettings
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     loader = DeltaLoader(url, storage_options={"client_kwargs": {"endpoint_url": endpoint}})
     seen, tensors = [], {}
     with open(f"{out}.progress", "a") as progress:
-        for followed in loader.follow(poll_seconds=0.05, timeout=300.0):  # the timeout only ends a lost test
+        for followed in loader.follow(FollowSettings(poll_seconds=0.05, timeout=300.0)):  # ends only a lost test
             seen.append(followed.step)
             tensors = followed.tensors
             progress.write(f"{followed.step}\n")

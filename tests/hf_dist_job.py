@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from lightning_delta import PublisherSettings
 from lightning_delta.hf import DeltaTrainerCallback
 from lightning_delta.shards import named_tensors
 from tinylm import tiny_llama
@@ -52,7 +53,7 @@ def main() -> None:
         disable_tqdm=True,
         ddp_backend="gloo",
     )
-    callback = DeltaTrainerCallback(store, base_every=3)
+    callback = DeltaTrainerCallback(store, PublisherSettings(base_every=3))
     trainer = transformers.Trainer(
         model=tiny_llama(), args=args, train_dataset=Tokens(64), callbacks=[callback, Truth(truth)]
     )

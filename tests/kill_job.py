@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from lightning_delta import DeltaPublisher, Store
+from lightning_delta import DeltaPublisher, PublisherSettings, Store
+from lightning_delta.objects import FsspecObjects
+from lightning_delta.retention import collect
 
 BASE_EVERY = 5
 
@@ -47,24 +49,24 @@ def states(last: int) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-class SlowStore(Store):
+class SlowObjects(FsspecObjects):
     """Each deleting call takes 20 ms, so a kill can land anywhere inside a collection."""
 
     def delete(self, keys) -> None:
         time.sleep(0.02)
         super().delete(keys)
 
-    def delete_folder(self, key: str) -> None:
+    def delete_prefix(self, key: str) -> None:
         time.sleep(0.02)
-        super().delete_folder(key)
+        super().delete_prefix(key)
 
 
 def main() -> None:
     command, url = sys.argv[1:3]
     if command == "gc":
-        store = SlowStore(url)
+        store = Store(SlowObjects(url))
         print("ready", flush=True)
-        store.collect(keep_bases=1)
+        collect(store, keep_bases=1)
         print("done", flush=True)
         return
     step = int(sys.argv[3])
@@ -72,7 +74,7 @@ def main() -> None:
     tensors = initial()
     for earlier in range(1, step):
         evolve(tensors, earlier)
-    with DeltaPublisher(url, lambda: tensors, base_every=BASE_EVERY, run_id=run_id) as publisher:
+    with DeltaPublisher(url, lambda: tensors, PublisherSettings(base_every=BASE_EVERY), run_id=run_id) as publisher:
         print("ready", flush=True)
         while True:
             evolve(tensors, step)

@@ -13,7 +13,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import bf16_state, bitwise_equal
-from lightning_delta import DeltaCallback, DeltaLoader, PublishError, Store, UnsupportedStrategyError
+from lightning_delta import DeltaCallback, DeltaLoader, PublishError, PublisherSettings, Store, UnsupportedStrategyError
+from lightning_delta.retention import is_base_step
 from tinylm import TinyLM
 
 
@@ -64,7 +65,7 @@ def test_manual_optimization_publishes_global_step_after_each_batch(tmp_path):
     store = str(tmp_path / "store")
     torch.manual_seed(0)
     module = ManualLM()
-    trainer(DeltaCallback(store, base_every=3, submodule="model"), max_epochs=1).fit(module, data(5))
+    trainer(DeltaCallback(store, PublisherSettings(base_every=3), submodule="model"), max_epochs=1).fit(module, data(5))
     loader = DeltaLoader(store)
     assert loader.steps() == [2, 4, 6, 8, 10]  # two optimizer steps per batch
     for step in loader.steps():
@@ -86,9 +87,9 @@ def test_fsdp1_is_refused_with_a_pointer_to_model_parallel():
 
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="base_every"):
-        DeltaCallback("x", base_every=0)
+        DeltaCallback("x", PublisherSettings(base_every=0))
     with pytest.raises(ValueError, match="dtype"):
-        DeltaCallback("x", dtype=torch.float32)
+        DeltaCallback("x", PublisherSettings(dtype=torch.float32))
     with pytest.raises(ValueError, match="store"):
         DeltaCallback("")
 
@@ -109,7 +110,9 @@ def test_metrics_reach_the_trainer_loggers(tmp_path):
 
     store = str(tmp_path / "store")
     logger = CSVLogger(str(tmp_path), name="logs", version=0)
-    trainer(DeltaCallback(store, base_every=3, submodule="model"), max_epochs=1, logger=logger).fit(ManualLM(), data(4))
+    trainer(DeltaCallback(store, PublisherSettings(base_every=3), submodule="model"), max_epochs=1, logger=logger).fit(
+        ManualLM(), data(4)
+    )
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     changed = [float(r["delta/changed_fraction"]) for r in rows if r.get("delta/changed_fraction")]
@@ -146,11 +149,13 @@ def _train_and_resume(tmp_path, first_steps: int) -> tuple[str, dict, dict]:
     torch.manual_seed(0)
     first = AutoLM()
     save = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=15, save_top_k=-1)
-    trainer(DeltaCallback(store, base_every=10, submodule="model"), save, max_steps=first_steps).fit(first, data(40))
+    trainer(DeltaCallback(store, PublisherSettings(base_every=10), submodule="model"), save, max_steps=first_steps).fit(
+        first, data(40)
+    )
     second = AutoLM()
     resume = ModelCheckpoint(dirpath=tmp_path / "ckpt2")
     ckpt = next(ckpts.glob("*step=15*.ckpt"))
-    trainer(DeltaCallback(store, base_every=10, submodule="model"), resume, max_steps=30).fit(
+    trainer(DeltaCallback(store, PublisherSettings(base_every=10), submodule="model"), resume, max_steps=30).fit(
         second, data(40), ckpt_path=str(ckpt)
     )
     return store, first.truth, second.truth
@@ -166,7 +171,7 @@ def test_a_resumed_run_continues_one_consistent_chain(tmp_path, stopped_at):
     for step in loader.steps():
         state = loader.state_dict(step)[1]
         assert all(bitwise_equal(state[n], t) for n, t in truth[step].items()), step
-    assert Store(store).is_base_step(stopped_at + 1, 1)  # the cache is not in the checkpoint: a new base
+    assert is_base_step(Store(store), stopped_at + 1, 1)  # the cache is not in the checkpoint: a new base
 
 
 def test_a_fresh_run_on_a_used_store_is_refused_before_training(tmp_path):

@@ -8,17 +8,20 @@ import time
 import pytest
 import torch
 
-from conftest import assert_state, bf16_state, published_run, replace_blob, train
+from conftest import HookedObjects, assert_state, bf16_state, published_run, replace_blob, train
 from lightning_delta import (
     Backlog,
     ChecksumError,
     DeltaLoader,
     DeltaPublisher,
+    DType,
     FormatError,
+    LoaderSettings,
     ModelMismatchError,
     PublishError,
     SnapshotNotFoundError,
     Store,
+    StoreError,
     codec,
 )
 from lightning_delta import format as fmt
@@ -50,7 +53,7 @@ def test_cuda_publish_through_pinned_side_stream_copies_rebuilds_bit_exactly(sto
     model = TinyLM().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     truth = {}
-    with DeltaPublisher(store_url, model, base_every=4) as pub:
+    with DeltaPublisher(store_url, model, PublisherSettings(base_every=4)) as pub:
         for step in range(1, 9):
             tokens = torch.randint(0, 97, (4, 17), device="cuda")
             torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -66,7 +69,7 @@ def test_cuda_publish_through_pinned_side_stream_copies_rebuilds_bit_exactly(sto
 def test_deltas_are_small_at_rl_learning_rates(store_url):
     torch.manual_seed(0)
     model = TinyLM(dim=64)
-    with DeltaPublisher(store_url, model, base_every=100) as pub:
+    with DeltaPublisher(store_url, model, PublisherSettings(base_every=100)) as pub:
         train(pub, model, 4, lr=1e-6)
     store = Store(store_url)
     dense = 2 * store.manifest().numel(0)
@@ -90,31 +93,40 @@ def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
     before = bf16_state(replica)
     store = Store(store_url)
     blob_key = fmt.blob_path(3, 0, 1)
-    blob = bytearray(store.read(blob_key))
+    blob = bytearray(store.objects.get(blob_key))
     blob[-3] ^= 0xFF
-    store.write(blob_key, bytes(blob))
+    store.objects.put(blob_key, bytes(blob))
     with pytest.raises(ChecksumError):
         loader.apply_to(replica, step=4)
     assert_state(bf16_state(replica), before)
-    # the loader's own state is intact: step 2 is still served from what it holds
+    # the loader's state, the module, is intact: step 2 is still served from it
+    assert loader.held_step == 2
     assert_state(loader.state_dict(2)[1], truth[2])
 
 
-def test_a_follower_decodes_each_step_into_the_buffers_of_the_step_it_replaced(store_url):
+def test_a_bound_module_is_the_held_state_and_takes_only_the_changes(store_url):
     truth = published_run(store_url, 7, base_every=10)
-    loader = DeltaLoader(store_url)
-    held = {}
-    for step in range(1, 5):
-        assert_state(loader.state_dict(step)[1], truth[step])
-        held[step] = [p.bits.data_ptr() for p in loader._states[(0, 1)].payloads]
-    assert held[3] == held[1] and held[4] == held[2]  # two sets of buffers, used in turn
-    assert not set(held[1]) & set(held[2])
-    # a jump decodes 5 and 6 on the way: each intermediate step's buffers take the one after next
-    assert_state(loader.state_dict(7)[1], truth[7])
-    assert_state(loader.state_dict(4)[1], truth[4])  # from the base again
+    loader, replica = DeltaLoader(store_url), TinyLM()
+    storage = {name: t.data_ptr() for name, t in bf16_state(replica).items()}
+    loader.apply_to(replica, step=1)
+    numel = sum(t.numel() for t in truth[1].values())
+    assert loader.last_report.changed == numel  # the first write: everything, from the base
+    pointers = {name: t.data_ptr() for name, t in named_tensors(replica).items()}
+    store = Store(store_url)
+    changed = {s: sum(e.changed for e in store.read_part(s, 0, 1).entries) for s in range(2, 7)}
+    for step in (2, 3, 6):  # 4 and 5 on the way to 6 are composed into one patch
+        loader.apply_to(replica, step=step)
+        assert_state(bf16_state(replica), truth[step])
+        written = loader.last_report.changed  # only the changes are written
+        assert written == changed[step] if step < 6 else changed[6] <= written <= sum(changed[s] for s in (4, 5, 6))
+    assert {name: t.data_ptr() for name, t in named_tensors(replica).items()} == pointers  # in place
+    assert storage  # (the module's own tensors, never replaced)
+    step, tensors = loader.state_dict(7)  # copies of the module plus the patch; the module stays at 6
+    assert step == 7 and loader.held_step == 6
+    assert_state(tensors, truth[7]) and assert_state(bf16_state(replica), truth[6])
 
 
-def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_step_intact(store_url):
+def test_a_payload_only_its_checksum_can_catch_leaves_the_held_step_intact(store_url):
     truth = published_run(store_url, 3, base_every=10)
     loader = DeltaLoader(store_url)
     loader.state_dict(1)
@@ -122,7 +134,7 @@ def test_a_step_that_fails_after_writing_into_the_spare_buffers_leaves_the_held_
     store = Store(store_url)
     # A payload that only its own checksum can catch: the blob's SHA-256 is made to match.
     last = store.read_part(3, 0, 1).entries[-1]
-    blob = bytearray(store.read(fmt.blob_path(3, 0, 1)))
+    blob = bytearray(store.objects.get(fmt.blob_path(3, 0, 1)))
     blob[len(blob) - last.length // 2] ^= 0x01
     replace_blob(store, 3, 0, 1, bytes(blob))
     with pytest.raises((ChecksumError, FormatError)):
@@ -153,38 +165,16 @@ def test_steps_must_increase(store_url):
             pub.publish(3)
 
 
-def test_constructor_validates_its_arguments(store_url):
-    for kwargs, message in [
-        ({"base_every": 0}, "base_every"),
-        ({"dtype": torch.float32}, "dtype"),
-        ({"max_pending": 0}, "max_pending"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            DeltaPublisher(store_url, TinyLM(), **kwargs)
-
-
-def test_settings_check_their_arguments_before_any_model_exists(store_url):
-    for kwargs, message in [
-        ({"store": ""}, "store"),
-        ({"base_every": 0}, "base_every"),
-        ({"dtype": "float32"}, "dtype"),
-        ({"max_pending": 0}, "max_pending"),
-        ({"keep_bases": 0}, "keep_bases"),
-        ({"backlog": "drop"}, "drop"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            PublisherSettings(**{"store": store_url, **kwargs})
-    settings = PublisherSettings(store_url, 3, "float16", backlog="block", max_pending=1)
-    assert settings.dtype == torch.float16 and settings.backlog is Backlog.BLOCK
+def test_settings_reach_the_publisher(store_url):
+    settings = PublisherSettings(base_every=3, dtype="float16", backlog="block", max_pending=1)
+    assert settings.dtype == DType.float16 and settings.backlog is Backlog.BLOCK
     torch.manual_seed(0)
     model = TinyLM()
-    with settings.publisher(model) as pub:  # BLOCK: every step is published, however busy the machine
-        assert (pub.base_every, pub.dtype, pub.backlog) == (3, torch.float16, Backlog.BLOCK)
+    with DeltaPublisher(store_url, model, settings) as pub:  # BLOCK: every step is published, however busy
         train(pub, model, 4)
     store = Store(store_url)
-    assert [store.read_part(s, 0, 1).header.kind for s in range(1, 5)] == [fmt.Kind.BASE] + [fmt.Kind.DELTA] * 2 + [
-        fmt.Kind.BASE
-    ]
+    kinds = [store.read_part(s, 0, 1).header.kind for s in range(1, 5)]
+    assert kinds == [fmt.Kind.BASE, fmt.Kind.DELTA, fmt.Kind.DELTA, fmt.Kind.BASE]
     shipped = {name: t.detach().half() for name, t in named_tensors(model).items()}  # float16, as asked
     assert_state(DeltaLoader(store_url).state_dict(4)[1], shipped)
 
@@ -205,30 +195,19 @@ def test_step_metrics_report_the_diff_at_once_and_the_upload_once_it_finished(st
     assert metrics["delta/compression_ratio"] > 2 and metrics["delta/skipped_steps"] == 0.0
 
 
-class SlowStore(Store):
-    def __init__(self, url: str, delay: float) -> None:
-        super().__init__(url)
-        self.delay = delay
-
-    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        time.sleep(self.delay)
-        super().write(key, data, exclusive=exclusive)
-
-
 def test_coalescing_skips_steps_instead_of_waiting_and_keeps_the_chain_exact(store_url):
     """Uploads stall until the training loop is over: under BLOCK it could never end; under
     COALESCE it ends, having published only what fits in the pipeline."""
     gate = threading.Event()
 
-    class StalledStore(Store):
-        def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-            if key != fmt.RUN_MANIFEST:
-                assert gate.wait(120), "the training loop waited for an upload"
-            super().write(key, data, exclusive=exclusive)
+    def stall(key: str) -> None:
+        if key != fmt.RUN_MANIFEST:
+            assert gate.wait(120), "the training loop waited for an upload"
 
     torch.manual_seed(0)
     model = TinyLM()
-    pub = DeltaPublisher(StalledStore(store_url), model, base_every=5, backlog=Backlog.COALESCE, max_pending=1)
+    settings = PublisherSettings(base_every=5, backlog=Backlog.COALESCE, max_pending=1)
+    pub = DeltaPublisher(Store(HookedObjects(store_url, stall)), model, settings)
     truth = train(pub, model, 20)
     # at most one snapshot in upload, one compressed and waiting, one being compressed, one queued
     assert pub.skipped >= 16
@@ -244,28 +223,29 @@ def test_coalescing_skips_steps_instead_of_waiting_and_keeps_the_chain_exact(sto
 def test_blocking_backlog_publishes_every_step(store_url):
     torch.manual_seed(0)
     model = TinyLM()
-    with DeltaPublisher(SlowStore(store_url, 0.01), model, backlog=Backlog.BLOCK, max_pending=1) as pub:
+    slow = HookedObjects(store_url, lambda key: time.sleep(0.01))
+    with DeltaPublisher(Store(slow), model, PublisherSettings(backlog=Backlog.BLOCK, max_pending=1)) as pub:
         train(pub, model, 6)
     assert DeltaLoader(store_url).steps() == list(range(1, 7))
 
 
-class FailingStore(Store):
-    def __init__(self, url: str, fail_from: int) -> None:
-        super().__init__(url)
+class Failing:
+    """Writes fail from the `fail_from`-th on, as a store that went away would."""
+
+    def __init__(self, fail_from: int) -> None:
         self.fail_from, self.writes = fail_from, 0
         self.lock = threading.Lock()
 
-    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+    def __call__(self, key: str) -> None:
         with self.lock:
             self.writes += 1
             if self.writes >= self.fail_from:
-                raise OSError("connection reset by peer")
-        super().write(key, data, exclusive=exclusive)
+                raise StoreError("connection reset by peer")
 
 
 def test_a_failing_store_surfaces_on_the_trainer_thread(store_url):
     model = TinyLM()
-    pub = DeltaPublisher(FailingStore(store_url, fail_from=3), model)
+    pub = DeltaPublisher(Store(HookedObjects(store_url, Failing(fail_from=3))), model)
     pub.publish(1)
     pub.publish(2)  # its upload fails in the background
     with pytest.raises(PublishError, match="connection reset"):
@@ -274,9 +254,9 @@ def test_a_failing_store_surfaces_on_the_trainer_thread(store_url):
 
 
 def test_after_a_failure_the_next_publish_is_a_base(store_url):
-    store = FailingStore(store_url, fail_from=10**9)
+    store = Failing(fail_from=10**9)
     model = TinyLM()
-    with DeltaPublisher(store, model, base_every=100) as pub:
+    with DeltaPublisher(Store(HookedObjects(store_url, store)), model, PublisherSettings(base_every=100)) as pub:
         pub.publish(1)
         pub.flush()
         store.fail_from = store.writes + 1
@@ -304,7 +284,7 @@ def test_a_step_with_a_foreign_object_is_refused(store_url):
 def test_a_snapshot_that_fails_halfway_makes_the_next_publish_a_base(store_url):
     n = 300_000  # over the payload-sharing threshold: "a" and "b" are diffed one after the other
     tensors = {"a": torch.zeros(n), "b": torch.zeros(n)}
-    with DeltaPublisher(store_url, lambda: tensors, base_every=100) as pub:
+    with DeltaPublisher(store_url, lambda: tensors, PublisherSettings(base_every=100)) as pub:
         pub.publish(1)
         tensors["a"] = torch.ones(n)  # "a" is snapshotted first ...
         tensors["b"] = torch.zeros(n, device="meta")  # ... then "b" fails: "a"'s cache holds an unpublished step
@@ -331,25 +311,30 @@ def test_the_layout_is_fixed_for_the_run(store_url):
             pub.publish(3)
 
 
-def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_url):
-    release = threading.Event()
+def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_url, monkeypatch):
+    """Step 1's upload waits until step 2's payloads were compressed: without the pipeline,
+    step 2 would be compressed only after step 1 is in the store, and this would never end."""
+    compressed, step_two = [], threading.Event()
+    serialize = codec.serialize
 
-    class GatedStore(Store):
-        def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-            if f"/{1:012d}/" in key:
-                release.wait(10)  # step 1's upload hangs until the test lets it go
-            super().write(key, data, exclusive=exclusive)
+    def counting(packed, options=None):
+        compressed.append(packed.n)
+        if len(compressed) > payloads:
+            step_two.set()
+        return serialize(packed, options)
+
+    def gate(key: str) -> None:
+        if f"/{1:012d}/" in key:
+            assert step_two.wait(120), "step 2 was not compressed while step 1 uploaded"
 
     torch.manual_seed(0)
     model = TinyLM()
-    pub = DeltaPublisher(GatedStore(store_url), model, max_pending=2)
+    pub = DeltaPublisher(Store(HookedObjects(store_url, gate)), model, PublisherSettings(max_pending=2))
+    payloads = len(pub.store.run().manifest.ranks[0])
+    monkeypatch.setattr(codec, "serialize", counting)
     truth = train(pub, model, 2)
-    deadline = time.monotonic() + 10
-    while not pub._encoded.full() and time.monotonic() < deadline:  # step 2, compressed, waits
-        time.sleep(0.01)
-    assert pub._encoded.full() and pub.pending == 2
-    release.set()
     pub.close()
+    assert len(compressed) >= 2 * payloads
     loader = DeltaLoader(store_url)
     assert loader.steps() == [1, 2]
     assert_state(loader.state_dict(2)[1], truth[2])
@@ -358,7 +343,7 @@ def test_the_next_snapshot_is_compressed_while_the_previous_one_uploads(store_ur
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_a_cuda_loader_without_cuda_fails_at_construction(store_url):
     with pytest.raises(ValueError, match="no CUDA device"):
-        DeltaLoader(store_url, device="cuda")
+        DeltaLoader(store_url, LoaderSettings(device="cuda"))
 
 
 def test_an_in_sync_follower_never_reads_a_base_after_its_first(store_url):
@@ -387,10 +372,11 @@ def test_a_late_joiner_reads_one_base_and_the_deltas_after_it(store_url):
 
 def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url):
     """A bridge would link to a part that was never committed: the next base comes alone."""
-    store = FailingStore(store_url, fail_from=10**9)
+    store = Failing(fail_from=10**9)
     tensors = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
     truth = {}
-    with DeltaPublisher(store, lambda: tensors, base_every=2) as pub:  # bases 1, 3, 5
+    objects = Store(HookedObjects(store_url, store))
+    with DeltaPublisher(objects, lambda: tensors, PublisherSettings(base_every=2)) as pub:  # bases 1, 3, 5
         for step in (1, 2, 3, 4):
             tensors["w"][step * 10] += 1
             truth[step] = tensors["w"].clone()
@@ -422,7 +408,7 @@ def test_a_base_is_packed_from_a_copy_the_next_step_does_not_touch(store_url, mo
 
     monkeypatch.setattr(codec, "pack_full", held_back)
     tensors = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
-    with DeltaPublisher(store_url, lambda: tensors, base_every=100, max_pending=2) as pub:
+    with DeltaPublisher(store_url, lambda: tensors, PublisherSettings(base_every=100, max_pending=2)) as pub:
         pub.publish(1)
         first = tensors["w"].clone()
         tensors["w"][::3] += 1
@@ -439,7 +425,7 @@ def test_exponent_context_chain_rebuilds_bit_exactly(store_url):
     torch.manual_seed(0)
     model = TinyLM(dim=64)
     options = CodecOptions(context=Context.EXPONENT)
-    with DeltaPublisher(store_url, model, base_every=4, codec_options=options) as pub:
+    with DeltaPublisher(store_url, model, PublisherSettings(base_every=4, codec=options)) as pub:
         truth = train(pub, model, 9, lr=1e-5)
     store = Store(store_url)
     sizes = [numel for numel, _ in store.manifest().payloads[0]]

@@ -15,6 +15,7 @@ from conftest import ROOT, bitwise_equal
 from lightning_delta import DeltaLoader, Store
 from lightning_delta import format as fmt
 from lightning_delta.cli import main
+from lightning_delta.retention import is_base_step
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_hydra_overrides_reach_the_callback(chain):
     store = Store(chain)
-    bases = [s for s in store.published_steps() if store.is_base_step(s, 1)]
+    bases = [s for s in store.published_steps() if is_base_step(store, s, 1)]
     assert bases == [1, 6, 11]  # delta.base_every=5 from the command line
 
 

@@ -3,15 +3,12 @@ name mapping, post-load hooks, the probe check and the measured swap pause."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from conftest import bf16_state, bitwise_equal
-from lightning_delta import DeltaLoader, DeltaPublisher, ModelMismatchError
+from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, ModelMismatchError, PublisherSettings
 from lightning_delta.shards import named_tensors
-from lightning_delta.vllm_worker import DeltaWorkerExtension, weights_for_load
 from tinylm import tiny_llama
 
 pytest.importorskip("transformers")
@@ -42,7 +39,7 @@ def train_and_publish(url: str, steps: int = 6) -> dict[int, dict[str, torch.Ten
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
     shadow = tiny_llama().to(torch.bfloat16)  # computes the probe from the bf16 weights that ship
     truth = {}
-    with DeltaPublisher(url, trainer, base_every=4) as publisher:
+    with DeltaPublisher(url, trainer, PublisherSettings(base_every=4)) as publisher:
         for step in range(1, steps + 1):
             tokens = torch.randint(0, 97, (4, 12))
             trainer.policy(tokens, labels=tokens).loss.backward()
@@ -93,9 +90,11 @@ def test_a_mapping_that_does_not_fit_copies_nothing_and_skips_the_hook(store_url
 def test_followed_steps_report_the_swap_pause_and_pass_the_probe(store_url):
     train_and_publish(store_url, steps=5)
     rollout = tiny_llama().to(torch.bfloat16).eval()
-    followed = next(iter(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=1.0)))
+    follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01))
+    followed = next(follower)
     pause = followed.apply_to(rollout, rename=strip)
-    assert followed.step == 5 and 0 < pause < 1.0
+    follower.close()
+    assert followed.step == 5 and isinstance(pause, float) and pause > 0  # the write, timed
     assert followed.probe is not None and len(followed.probe) == PROBE[:, 1:].numel()
     assert followed.probe_error(probe_logprobs(rollout, PROBE)) == 0.0
 
@@ -103,7 +102,8 @@ def test_followed_steps_report_the_swap_pause_and_pass_the_probe(store_url):
 def test_probe_catches_an_engine_that_post_processes_the_weights_wrongly(store_url):
     train_and_publish(store_url, steps=3)
     rollout = tiny_llama().to(torch.bfloat16).eval()
-    followed = next(iter(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=1.0)))
+    follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01))
+    followed = next(follower)
 
     def transpose_one_projection(model: torch.nn.Module) -> None:  # a wrong "fusing" step
         with torch.no_grad():
@@ -111,66 +111,5 @@ def test_probe_catches_an_engine_that_post_processes_the_weights_wrongly(store_u
             q.copy_(q.t().contiguous())
 
     followed.apply_to(rollout, rename=strip, after=transpose_one_projection)
+    follower.close()
     assert followed.probe_error(probe_logprobs(rollout, PROBE)) > 1e-3
-
-
-class FakeVllmModel(torch.nn.Module):
-    """The part of a vLLM model the extension uses: `load_weights(weights=iterable)`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = tiny_llama().to(torch.bfloat16)
-        self.loaded: list[str] = []
-
-    def load_weights(self, weights) -> set[str]:
-        params = dict(self.inner.named_parameters())
-        with torch.no_grad():
-            for name, tensor in weights:  # vLLM's loaders consume an iterator once
-                params[name].copy_(tensor)
-                self.loaded.append(name)
-        return set(self.loaded)
-
-
-def test_vllm_worker_extension_loads_full_tensors_by_hugging_face_name(store_url):
-    truth = train_and_publish(store_url, steps=5)
-    worker = DeltaWorkerExtension()
-    worker.device = torch.device("cpu")
-    worker.model_runner = types.SimpleNamespace(model=FakeVllmModel())
-    worker.delta_open(store_url, rename=strip)
-    assert worker.delta_update() == 5
-    model = worker.model_runner.model
-    assert sorted(model.loaded) == sorted(strip(k) for k in truth[5])
-    for name, tensor in model.inner.named_parameters():
-        assert bitwise_equal(tensor.detach(), truth[5][f"policy.{name}"]), name
-    assert worker.delta_update(3) == 3
-    assert bitwise_equal(model.inner.lm_head.weight.detach(), truth[3]["policy.lm_head.weight"])
-    assert worker.delta_probe() is not None
-    assert dict(
-        weights_for_load({"a": torch.zeros(1), "b": torch.ones(1)}, lambda n: None if n == "a" else n)
-    ).keys() == {"b"}
-
-
-def test_vllm_engine_end_to_end(store_url, tmp_path):
-    """With vLLM installed: a real engine, driven through `collective_rpc`, generates what a
-    transformers model with the trainer's weights generates (greedy)."""
-    vllm = pytest.importorskip("vllm")
-    truth = train_and_publish(store_url, steps=3)
-    model = tiny_llama()
-    model.save_pretrained(tmp_path / "model")
-    llm = vllm.LLM(
-        model=str(tmp_path / "model"),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        worker_extension_cls="lightning_delta.vllm_worker.DeltaWorkerExtension",
-    )
-    llm.collective_rpc("delta_open", args=(store_url,), kwargs={"rename": strip})
-    assert llm.collective_rpc("delta_update") == [3] * len(llm.collective_rpc("delta_probe"))
-    direct = tiny_llama().to(torch.bfloat16).eval()
-    direct.load_state_dict({strip(k): v for k, v in truth[3].items()})
-    prompt = [1, 2, 3, 4]
-    out = llm.generate(
-        [{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False
-    )
-    expected = direct.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :]
-    assert list(out[0].outputs[0].token_ids) == expected.tolist()

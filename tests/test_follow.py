@@ -8,12 +8,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from conftest import bf16_state, bitwise_equal
-from lightning_delta import DeltaLoader, DeltaPublisher, FollowedStep, Store
+from conftest import HookedObjects, Said, bf16_state, bitwise_equal
+from lightning_delta import DeltaLoader, DeltaPublisher, FollowedStep, FollowSettings, PublisherSettings, Store
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -25,7 +24,9 @@ class Trainer:
         torch.manual_seed(0)
         self.model, self.truth, self.step = TinyLM(), {}, 0
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.publisher = DeltaPublisher(url, self.model, base_every=base_every, keep_bases=keep_bases)
+        self.publisher = DeltaPublisher(
+            url, self.model, PublisherSettings(base_every=base_every, keep_bases=keep_bases)
+        )
 
     def steps(self, count: int, pause: float = 0.0, before: Progress | None = None) -> None:
         """Publish `count` steps; with `before`, each only once the follower handed out the previous
@@ -77,7 +78,7 @@ def test_a_follower_keeps_up_with_a_live_chain(store_url):
     writer = threading.Thread(target=trainer.steps, args=(11, 0.0, progress))
     writer.start()
     seen = []
-    for followed in until(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120), 12):
+    for followed in until(DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120)), 12):
         assert_exact(followed, trainer.truth)
         seen.append(followed.step)
         progress.saw(followed.step)
@@ -89,16 +90,15 @@ def test_a_follower_keeps_up_with_a_live_chain(store_url):
 def test_a_follower_that_fell_behind_jumps_to_the_newest_step_and_reports_it(store_url):
     trainer = Trainer(store_url)
     trainer.steps(7)
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=5.0)
+    follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120))
     first = next(follower)
     assert first.step == 7 and first.behind == 0  # the newest, not step 1
     assert_exact(first, trainer.truth)
-    trainer.steps(3)  # the caller is "generating" meanwhile; its prefetched step goes stale
-    second = next(follower)
-    assert second.step in (8, 9, 10)
-    assert second.behind == 10 - second.step
-    rest = [f.step for f in follower]
-    assert (rest[-1] if rest else second.step) == 10
+    trainer.steps(3)  # the caller is "generating" meanwhile
+    rest = list(until(follower, 10))
+    assert rest[-1].step == 10 and all(8 <= f.step <= 10 for f in rest)
+    for followed in rest:
+        assert followed.behind <= 10 - followed.step
     trainer.publisher.close()
 
 
@@ -106,69 +106,69 @@ def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store
     trainer = Trainer(store_url, base_every=5)  # bases at 1, 6, 11
     trainer.steps(9)
     shutil.rmtree(Path(store_url, fmt.step_dir(8)))  # steps 9 and 10 cannot rebuild
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120)
+    follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120))
     caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
     writer = threading.Thread(target=trainer.steps, args=(3,))  # 10 (broken), 11 (base), 12
     writer.start()
-    seen = list(until(follower, 12))
+    seen = []
+    for followed in until(follower, 12):
+        assert_exact(followed, trainer.truth)
+        seen.append(followed)
     writer.join()
     trainer.publisher.close()
     assert [f.step for f in seen] in ([11, 12], [12])  # never 9 or 10, whose chain lost step 8
-    for f in seen:
-        assert_exact(f, trainer.truth)
     assert seen[0].skipped[0] == 9 and set(seen[0].skipped) <= {9, 10}
     assert any("does not rebuild" in r.message for r in caplog.records)
 
 
 def test_a_corrupt_step_never_reaches_the_live_model(store_url):
-    trainer = Trainer(store_url, base_every=100)
-    trainer.steps(4)
+    trainer = Trainer(store_url, base_every=4)  # bases at 1 and 5
+    trainer.steps(5)
     blob = Path(store_url, fmt.blob_path(4, 0, 1))
     data = bytearray(blob.read_bytes())
     data[-2] ^= 0x01  # planted before following starts: no race with the follower's reads
     blob.write_bytes(bytes(data))
     live = TinyLM()
-    DeltaLoader(store_url).apply_to(live, step=3)
+    loader = DeltaLoader(store_url)
+    loader.apply_to(live, step=3)
     before = {k: v.detach().clone() for k, v in live.state_dict().items()}
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=0.5)
-    for followed in follower:  # step 4 is refused and nothing newer rebuilds
-        followed.apply_to(live)
-        raise AssertionError(f"step {followed.step} was handed out")
-    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+    follower = loader.follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120))
+    followed = next(follower)  # step 4 is tried, refused, and skipped; step 5 is a base
+    assert (followed.step, followed.skipped) == (5, (4,))
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing written yet
+    followed.apply_to(live)
+    assert_exact(followed, trainer.truth)
+    assert all(bitwise_equal(t, trainer.truth[5][n]) for n, t in bf16_state(live).items())
+    follower.close()
     trainer.publisher.close()
 
 
 def test_a_poll_lists_one_block_however_long_the_run(store_url):
-    class CountingStore(Store):
-        listed: ClassVar[list[str]] = []
-
-        def list(self, key: str) -> list[str]:
-            CountingStore.listed.append(key)
-            return super().list(key)
-
+    listed: list[str] = []
     trainer = Trainer(store_url)
     trainer.step = 994  # steps 995..1004 straddle the first block boundary
     trainer.steps(10)
-    loader = DeltaLoader(CountingStore(store_url))
+    loader = DeltaLoader(Store(HookedObjects(store_url, on_list=listed.append)))
     assert loader.steps() == list(range(995, 1005))  # a full listing: steps/, both blocks, new steps
-    CountingStore.listed = []
+    listed.clear()
     assert loader.steps(after=1000) == [1001, 1002, 1003, 1004]
-    assert CountingStore.listed == ["steps", fmt.block_dir(1)]  # the blocks, then only the newest one
+    assert listed == ["steps", fmt.block_dir(1)]  # the blocks, then only the newest one
     trainer.steps(1)
-    CountingStore.listed = []
+    listed.clear()
     assert loader.steps(after=1004) == [1005]
-    assert CountingStore.listed == ["steps", fmt.block_dir(1), fmt.step_dir(1005)]  # and the one new step
+    assert listed == ["steps", fmt.block_dir(1), fmt.step_dir(1005)]  # and the one new step
     trainer.publisher.close()
 
 
 def test_replay_hands_out_every_complete_step_in_order(store_url):
     trainer = Trainer(store_url, base_every=4)
     trainer.steps(9)
-    seen = list(DeltaLoader(store_url).follow(poll_seconds=0.01, jump=False, timeout=0.3))
+    seen = []
+    for followed in until(DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120)), 9):
+        assert_exact(followed, trainer.truth)  # its tensors, taken before the next step
+        seen.append(followed)
     assert [f.step for f in seen] == list(range(1, 10))
     assert [f.behind for f in seen] == list(range(8, -1, -1))
-    for f in seen:
-        assert_exact(f, trainer.truth)
     trainer.publisher.close()
 
 
@@ -176,20 +176,21 @@ def test_catch_up_drops_steps_staler_than_max_staleness(store_url, caplog):
     trainer = Trainer(store_url)
     trainer.steps(3)
     caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
-    loader = DeltaLoader(store_url)
-    follower = loader.follow(poll_seconds=0.01, max_staleness=1, catch_up=True, timeout=120)
+    published = threading.Event()
+
+    def while_step_4_is_read(key: str) -> None:  # four more steps land while step 4 is fetched
+        if key == fmt.blob_path(4, 0, 1) and not published.is_set():
+            published.set()
+            trainer.steps(4)
+
+    loader = DeltaLoader(Store(HookedObjects(store_url, before_read=while_step_4_is_read)))
+    follower = loader.follow(FollowSettings(poll_seconds=0.01, max_staleness=1, catch_up=True, timeout=120))
     assert next(follower).step == 3
-    # While the caller "generates", step 4 is prefetched, then four more are published: step 4
-    # is 4 behind when handed out, so it is dropped for the newest.
     trainer.steps(1)
-    deadline = time.monotonic() + 120
-    while not (loader.last_report and loader.last_report.step == 4):  # prefetched: rebuilt in the background
-        assert time.monotonic() < deadline, "step 4 was never prefetched"
-        time.sleep(0.01)
-    trainer.steps(4)
     rest = list(until(follower, 8))
-    assert rest and rest[-1].step == 8 and all(f.behind <= 1 for f in rest) and 4 not in [f.step for f in rest]
-    assert any("behind the store" in r.message for r in caplog.records)
+    assert published.is_set() and [f.step for f in rest] == [8] and rest[0].behind == 0
+    assert any("step 4 is 4 steps behind" in r.message for r in caplog.records)
+    assert_exact(rest[0], trainer.truth)
     trainer.publisher.close()
 
 
@@ -199,7 +200,7 @@ def test_retention_never_takes_what_a_live_follower_needs(store_url):
     writer = threading.Thread(target=trainer.steps, args=(20, 0.0, progress))
     writer.start()
     seen = []
-    for followed in until(DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120), 20):
+    for followed in until(DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120)), 20):
         assert followed.skipped == ()  # nothing it needed was ever gone
         assert_exact(followed, trainer.truth)
         seen.append(followed.step)
@@ -210,26 +211,23 @@ def test_retention_never_takes_what_a_live_follower_needs(store_url):
     assert Store(store_url).published_steps()[0] == 19  # older segments were deleted meanwhile
 
 
-def test_a_follower_on_an_empty_prefix_says_once_what_it_waits_for(store_url, caplog):
-    caplog.set_level(logging.WARNING, logger="lightning_delta.follow")
+def test_a_follower_on_an_empty_prefix_says_once_what_it_waits_for(store_url):
+    said = Said("no complete step yet")
+    logging.getLogger("lightning_delta.follow").addHandler(said)
     trainer = Trainer(store_url)  # claims the prefix, publishes nothing yet
-    follower = DeltaLoader(store_url).follow(poll_seconds=0.01, timeout=120)
+    follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120))
     seen: list[int] = []
     reader = threading.Thread(target=lambda: seen.extend(f.step for f in until(follower, 2)))
     reader.start()
-
-    def waiting() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "no complete step yet" in r.getMessage()]
-
-    deadline = time.monotonic() + 120
-    while not waiting():  # it polls an empty chain: it must have said so before anything is published
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    trainer.steps(2)
-    reader.join()
+    try:
+        assert said.event.wait(120)  # it polls an empty chain: it says so before anything is published
+        trainer.steps(2)
+        reader.join()
+    finally:
+        logging.getLogger("lightning_delta.follow").removeHandler(said)
     trainer.publisher.close()
     assert seen[-1] == 2
-    assert len(waiting()) == 1 and store_url in waiting()[0]
+    assert len(said.messages) == 1 and "polling every 0.01 s" in said.messages[0]
 
 
 def test_a_report_prints_in_one_short_line(store_url):

@@ -278,11 +278,11 @@ def test_commit_marker_round_trip_and_verification():
     blob = b"some blob"
     marker = fmt.decode_commit(fmt.encode_commit(blob, header()))
     assert (marker.kind, marker.prev_step) == (fmt.Kind.BASE, None)
-    fmt.verify_blob(blob, marker, "x")
+    fmt.verify_blob(blob, marker)
     with pytest.raises(ChecksumError):
-        fmt.verify_blob(b"some blub", marker, "x")
+        fmt.verify_blob(b"some blub", marker)
     with pytest.raises(FormatError, match="truncated"):
-        fmt.verify_blob(blob[:-1], marker, "x")
+        fmt.verify_blob(blob[:-1], marker)
     wrong_kind = fmt.encode_commit(blob, header()).replace(b'"kind":"base"', b'"kind":"delta"')
     for bad in [b"{", b"[]", b'{"format":"lightning_delta.commit/2","size":-1,"sha256":"00"}', wrong_kind]:
         with pytest.raises(FormatError):

@@ -10,7 +10,7 @@ pytest.importorskip("accelerate")
 
 from conftest import assert_state, bf16_state  # noqa: E402
 from hf_dist_job import Tokens  # noqa: E402
-from lightning_delta import DeltaLoader, PublishError, UnsupportedStrategyError  # noqa: E402
+from lightning_delta import DeltaLoader, PublishError, PublisherSettings, UnsupportedStrategyError  # noqa: E402
 from lightning_delta.hf import DeltaTrainerCallback  # noqa: E402
 from tinylm import tiny_llama  # noqa: E402
 
@@ -51,7 +51,7 @@ def fit(
 
 def test_every_optimizer_step_rebuilds_bit_exactly(tmp_path):
     url = str(tmp_path / "store")
-    callback = DeltaTrainerCallback(url, base_every=4)
+    callback = DeltaTrainerCallback(url, PublisherSettings(base_every=4))
     truth, model, trainer = fit(tmp_path, callback)
     loader = DeltaLoader(url)
     assert loader.steps() == [1, 2, 3, 4, 5, 6]  # one per optimizer step, not per micro-batch
@@ -124,7 +124,7 @@ def test_a_peft_lora_policy_is_published_merged(tmp_path):
     truth = MergedTruth()
     fit(
         tmp_path,
-        DeltaTrainerCallback(url, base_every=3),
+        DeltaTrainerCallback(url, PublisherSettings(base_every=3)),
         steps=4,
         accumulation=1,
         model=lora(tiny_llama()),

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kill_job
-from conftest import assert_state, published_run, replace_blob
+from conftest import assert_state, bf16_state, published_run, replace_blob
 from fuzz import _rle_bomb
 from lightning_delta import (
     ChainError,
@@ -32,11 +32,15 @@ from lightning_delta import (
     DeltaError,
     DeltaLoader,
     DeltaPublisher,
+    FollowSettings,
     FormatError,
+    PublisherSettings,
     Store,
     codec,
 )
 from lightning_delta import format as fmt
+from lightning_delta.objects import FsspecObjects
+from lightning_delta.retention import collect
 
 # ----------------------------------------------------------------------------- damage
 
@@ -45,11 +49,11 @@ def rewrite(store: Store, step: int, mutate: Callable[[bytearray], bytes], *, re
     """Replace a step's blob by `mutate(blob)`; with `resign`, its marker is made to match, so
     only the header rules and the value checksums can catch the change."""
     key = fmt.blob_path(step, 0, 1)
-    blob = bytes(mutate(bytearray(store.read(key))))
+    blob = bytes(mutate(bytearray(store.objects.get(key))))
     if resign:
         replace_blob(store, step, 0, 1, blob)
     else:
-        store.write(key, blob)
+        store.objects.put(key, blob)
 
 
 def flip_payload(blob: bytearray) -> bytearray:
@@ -67,14 +71,14 @@ DAMAGE: dict[str, Callable[[Store, int, Path], None]] = {
     "payload bit, marker re-signed": lambda s, step, _: rewrite(s, step, flip_payload, resign=True),
     "header bit": lambda s, step, _: rewrite(s, step, flip_header, resign=False),
     "truncated": lambda s, step, _: rewrite(s, step, lambda b: b[:-7], resign=False),
-    "blob deleted": lambda s, step, _: s.delete([fmt.blob_path(step, 0, 1)]),
+    "blob deleted": lambda s, step, _: s.objects.delete([fmt.blob_path(step, 0, 1)]),
     "blob replaced by a folder": lambda s, step, _: (
-        s.delete([fmt.blob_path(step, 0, 1)]),
+        s.objects.delete([fmt.blob_path(step, 0, 1)]),
         os.makedirs(f"{s.url}/{fmt.blob_path(step, 0, 1)}/x"),
     ),
     "part of another run": lambda s, step, other: (
-        s.write(fmt.blob_path(step, 0, 1), Store(str(other)).read(fmt.blob_path(step, 0, 1))),
-        s.write(fmt.commit_path(step, 0, 1), Store(str(other)).read(fmt.commit_path(step, 0, 1))),
+        s.objects.put(fmt.blob_path(step, 0, 1), Store(str(other)).objects.get(fmt.blob_path(step, 0, 1))),
+        s.objects.put(fmt.commit_path(step, 0, 1), Store(str(other)).objects.get(fmt.commit_path(step, 0, 1))),
     ),
 }
 
@@ -194,15 +198,21 @@ def test_declared_sizes_are_bounded_before_allocation(numel):
 def test_an_object_larger_than_its_marker_is_not_read_whole(store_url):
     """Finding 2: a blob far larger than its marker says is refused after marker-size + 1 bytes."""
     published_run(store_url, 2)
-    store = Store(store_url)
+    reads: list[int | None] = []
+
+    class Recording(FsspecObjects):
+        def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+            if key.endswith(".ldelta"):
+                reads.append(end)
+            return super().get(key, start, end)
+
+    store = Store(Recording(store_url))
     key = fmt.blob_path(2, 0, 1)
-    store.write(key, store.read(key) + bytes(8 << 20))
-    reads: list[int] = []
-    original = store._fs.cat_file
-    store._fs.cat_file = lambda path, start=None, end=None, **kw: reads.append(end) or original(path, start, end, **kw)
+    store.objects.put(key, store.objects.get(key) + bytes(8 << 20))
+    reads.clear()
     with pytest.raises(FormatError, match="larger than"):
         store.read_part(2, 0, 1)
-    assert max(r for r in reads if r is not None) < 1 << 20
+    assert None not in reads and max(reads) < 1 << 20
 
 
 # ----------------------------------------------------------------------------- listing
@@ -245,8 +255,8 @@ def test_a_chain_without_a_manifest_is_refused(store_url):
 # ----------------------------------------------------------------------------- retention
 
 
-class KilledStore(Store):
-    """A store whose deleter dies (raises) at its `budget`-th deleting call."""
+class Killed(FsspecObjects):
+    """An object store whose deleter dies (raises) at its `budget`-th deleting call."""
 
     def __init__(self, url: str, budget: int) -> None:
         super().__init__(url)
@@ -262,9 +272,9 @@ class KilledStore(Store):
             self._spend()
             super().delete([key])
 
-    def delete_folder(self, key: str) -> None:
+    def delete_prefix(self, key: str) -> None:
         self._spend()
-        super().delete_folder(key)
+        super().delete_prefix(key)
 
 
 def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp_path):
@@ -276,7 +286,7 @@ def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp
         url = tmp_path / f"kill-{moments}"
         shutil.copytree(source, url)
         try:
-            deleted = KilledStore(str(url), moments).collect(keep_bases=1)
+            deleted = collect(Store(Killed(str(url), moments)), keep_bases=1)
         except KeyboardInterrupt:
             deleted = None
         loader = DeltaLoader(str(url))
@@ -319,16 +329,19 @@ def test_the_damaged_chain_loads_exactly_where_it_should(damaged_chain):
 
 
 class LoaderCalls(RuleBasedStateMachine):
-    """Random sequences of calls on one loader over a damaged chain: every tensor handed out
-    equals the trainer's state for its step, and every failure is a `DeltaError`."""
+    """Random sequences of calls on one loader over a damaged chain, with a module bound to it or
+    not: every tensor handed out, and every value of a bound module, equals the trainer's state
+    for its step, every failure is a `DeltaError`, and a failure changes nothing."""
 
     url: str
     truth: dict
 
     @initialize()
     def open(self) -> None:
+        from tinylm import TinyLM
+
         self.loader = DeltaLoader(self.url)
-        self.module = None
+        self.module, self.bound = TinyLM(), False
 
     def _check(self, step: int | None, call: Callable[[], tuple[int, dict]]) -> None:
         try:
@@ -348,31 +361,58 @@ class LoaderCalls(RuleBasedStateMachine):
         with pytest.raises(DeltaError):  # step 12 does not rebuild (step 10 is damaged)
             self.loader.state_dict()
 
-    @rule(step=st.sampled_from(sorted(LOADABLE)))
-    def apply_to(self, step: int) -> None:
+    @rule(step=st.integers(0, STEPS + 1), fresh=st.booleans())
+    def apply_to(self, step: int, fresh: bool) -> None:
+        """Into the module bound to the loader (only the changes are written), or a fresh one."""
         from tinylm import TinyLM
 
-        model = TinyLM()
-        assert self.loader.apply_to(model, step) == step
-        self.module = (step, {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
+        module = TinyLM() if fresh else self.module
+        before = bf16_state(module)
+        try:
+            assert self.loader.apply_to(module, step) == step
+        except DeltaError:
+            assert step not in LOADABLE
+            assert_state(bf16_state(module), before)  # nothing was written
+            return
+        assert step in LOADABLE
+        assert_state(bf16_state(module), self.truth[step])
+        self.module, self.bound = module, True
 
     @rule(after=st.integers(0, STEPS))
     def steps(self, after: int) -> None:
         assert self.loader.steps(after) == list(range(after + 1, STEPS + 1))
 
-    @precondition(lambda self: self.module is not None)
+    @precondition(lambda self: any(s > (self.loader.held_step or 0) for s in LOADABLE))
     @rule()
     def follow_replays_what_rebuilds(self) -> None:
-        seen = [f.step for f in self.loader.follow(poll_seconds=0.01, jump=False, timeout=0.05)]
-        assert set(seen) <= LOADABLE
+        held = self.loader.held_step or 0
+        expected = sorted(s for s in LOADABLE if s > held)
+        seen = []
+        for followed in self.loader.follow(FollowSettings(poll_seconds=0.01, jump=False)):
+            assert set(followed.skipped) <= set(DAMAGED) | {4, 7, 8}  # damaged, or chained through damage
+            if self.bound:
+                followed.apply_to(self.module)
+                assert_state(bf16_state(self.module), self.truth[followed.step])
+            else:
+                assert_state(followed.tensors, self.truth[followed.step])
+            seen.append(followed.step)
+            if followed.step == expected[-1]:
+                break
+        assert seen == expected
+
+    @precondition(lambda self: self.loader.held_step is not None)
+    @rule()
+    def verify(self) -> None:
+        self.loader.verify()  # nothing changed the held state behind the loader's back
 
     @invariant()
-    def held_steps_are_intact(self) -> None:
-        for (rank, world), state in self.loader._states.items():
-            step = state.header.step
-            assert (rank, world) == (0, 1) and step in LOADABLE
-            got = {n: t for n, t in self.loader.state_dict(step)[1].items()}
-            assert_state(got, self.truth[step])
+    def the_held_state_is_intact(self) -> None:
+        step = self.loader.held_step
+        assert step is None or step in LOADABLE
+        if step is not None:
+            assert_state(self.loader.state_dict(step)[1], self.truth[step])
+            if self.bound:
+                assert_state(bf16_state(self.module), self.truth[step])
 
 
 def test_any_sequence_of_calls_hands_out_exact_weights_or_a_delta_error(damaged_chain):
@@ -436,7 +476,7 @@ def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(t
     """5 kills in the middle of a gc that deletes 35 steps (each deleting call slowed to 20 ms)."""
     source = str(tmp_path / "source")
     tensors = kill_job.initial()
-    with DeltaPublisher(source, lambda: tensors, base_every=kill_job.BASE_EVERY) as publisher:
+    with DeltaPublisher(source, lambda: tensors, PublisherSettings(base_every=kill_job.BASE_EVERY)) as publisher:
         for step in range(1, 41):
             kill_job.evolve(tensors, step)
             publisher.publish(step)

@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -24,6 +23,7 @@ from lightning_delta import (
     DeltaLoader,
     DeltaPublisher,
     FormatError,
+    PublisherSettings,
     SnapshotNotFoundError,
     Store,
 )
@@ -47,38 +47,46 @@ def train(publisher: DeltaPublisher, model: TinyLM, steps: range, pause: float =
 
 
 def test_publishing_rides_out_an_endpoint_restart(aws_env):
-    """The endpoint goes away for two seconds in the middle of a run: botocore's retries (set
-    through storage_options) carry the uploads over, nothing is lost, every step is exact."""
+    """The endpoint goes away in the middle of a run and comes back once an upload has failed on
+    it: botocore's retries (set through storage_options) carry the uploads over, nothing is lost,
+    every step is exact."""
+    from aiobotocore.session import AioSession
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
+    restarted, failures = [], []
+
+    def on_retry(caught_exception=None, **_) -> None:  # botocore decides after every attempt
+        if caught_exception is not None and server in stopped:
+            failures.append(type(caught_exception).__name__)
+            if not restarted:  # moto keeps its state in this process: a restart on the port resumes it
+                restarted.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port))
+                restarted[0].start()
+
+    session, stopped = AioSession(), []
+    session.register("needs-retry.s3", on_retry)
     options = {
         "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
         "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}, "connect_timeout": 1},
+        "session": session,
     }
     bucket = f"restart-{uuid.uuid4().hex[:12]}"
     fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
     url = f"s3://{bucket}/run"
-    restarted = []
 
     def outage(step: int) -> None:
         if step == 4:
-            server.stop()  # moto keeps its state in this process: a restart on the port resumes it
-
-            def restart() -> None:
-                time.sleep(2.0)
-                restarted.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port))
-                restarted[0].start()
-
-            threading.Thread(target=restart).start()
+            server.stop()
+            stopped.append(server)
 
     torch.manual_seed(0)
     model = TinyLM()
     try:
-        with DeltaPublisher(url, model, base_every=5, storage_options=options) as publisher:
+        with DeltaPublisher(url, model, PublisherSettings(base_every=5), storage_options=options) as publisher:
             truth = train(publisher, model, range(1, 11), on_step=outage)
+        assert failures and failures[0] == "EndpointConnectionError"  # an upload did meet the outage
         loader = DeltaLoader(url, storage_options=options)
         assert loader.steps() == list(range(1, 11))
         for step in loader.steps():
@@ -102,7 +110,7 @@ def test_an_object_damaged_on_s3_is_refused_and_the_chain_recovers_at_the_next_b
     url, options = s3_url
     torch.manual_seed(0)
     model = TinyLM()
-    with DeltaPublisher(url, model, base_every=4, storage_options=options) as publisher:
+    with DeltaPublisher(url, model, PublisherSettings(base_every=4), storage_options=options) as publisher:
         truth = train(publisher, model, range(1, 9))  # bases at 1 and 5
     fs = fsspec.filesystem("s3", **options)
     blob = f"{url}/{fmt.blob_path(3, 0, 1)}".removeprefix("s3://")
@@ -153,7 +161,7 @@ def test_three_follower_processes_one_late_end_on_the_trainers_last_step(s3_url,
     model = TinyLM()
     procs = [follower("a.safetensors"), follower("b.safetensors")]
     late: list[subprocess.Popen] = []
-    with DeltaPublisher(url, model, base_every=10, storage_options=options) as publisher:
+    with DeltaPublisher(url, model, PublisherSettings(base_every=10), storage_options=options) as publisher:
         truth = train(publisher, model, range(1, 51), pause=0.05, on_step=on_step)
     for proc in procs + late:
         _, err = proc.communicate(timeout=300)
@@ -181,13 +189,16 @@ def test_credentials_never_reach_logs_reprs_or_errors(s3_endpoint, caplog, tmp_p
     caplog.set_level(logging.DEBUG)
     torch.manual_seed(0)
     model = TinyLM()
-    with DeltaPublisher(url, model, base_every=2, storage_options=options) as publisher:
+    with DeltaPublisher(url, model, PublisherSettings(base_every=2), storage_options=options) as publisher:
         train(publisher, model, range(1, 4))
     store = Store(url, options)
     loader = DeltaLoader(store)
     loader.state_dict()
     messages = [repr(store), str(loader.store.url)]
-    for attempt in (lambda: loader.state_dict(99), lambda: Store(url + "-other", options).read("nothing")):
+    for attempt in (
+        lambda: loader.state_dict(99),
+        lambda: Store(url.replace("creds-", "nobucket-"), options).objects.put("nothing", b""),
+    ):
         try:
             attempt()
         except Exception as err:  # the errors a user would see and paste into an issue
@@ -199,19 +210,20 @@ def test_credentials_never_reach_logs_reprs_or_errors(s3_endpoint, caplog, tmp_p
 CRASHING_TRAINER = """
 import os, sys, torch
 sys.path.insert(0, {scripts!r})
-from lightning_delta import DeltaPublisher, Store
+from lightning_delta import DeltaPublisher, PublisherSettings
+from lightning_delta.objects import FsspecObjects
 from tinylm import TinyLM
 
-real_write = Store.write
-def write(self, key, data, *, exclusive=False):
+real_create = FsspecObjects.create
+def create(self, key, data):
     if key.endswith(".commit") and "/000000000005/" in key:
         os._exit(3)  # killed between step 5's blob and its commit marker
-    real_write(self, key, data, exclusive=exclusive)
-Store.write = write
+    return real_create(self, key, data)
+FsspecObjects.create = create
 
 torch.manual_seed(0)
 model = TinyLM()
-with DeltaPublisher({url!r}, model, base_every=3, storage_options={options!r}) as publisher:
+with DeltaPublisher({url!r}, model, PublisherSettings(base_every=3), storage_options={options!r}) as publisher:
     for step in range(1, 7):
         with torch.no_grad():
             next(model.parameters()).add_(1e-2)
@@ -234,7 +246,9 @@ def test_a_trainer_killed_mid_upload_leaves_no_visible_step_and_the_next_run_hea
     torch.manual_seed(1)
     model = TinyLM()
     run_id = store.manifest().run_id
-    with DeltaPublisher(url, model, base_every=3, storage_options=options, run_id=run_id) as publisher:
+    with DeltaPublisher(
+        url, model, PublisherSettings(base_every=3), storage_options=options, run_id=run_id
+    ) as publisher:
         truth = train(publisher, model, range(store.published_steps()[-1] + 1, 9))
     assert loader.steps() == [1, 2, 3, 4, 6, 7, 8]
     for step in (6, 7, 8):  # a loader that held step 4 re-syncs at the new run's base
@@ -248,12 +262,11 @@ def test_a_large_blob_goes_up_as_concurrent_multipart_parts_and_stays_exclusive(
     url, options = s3_url
     store = Store(url, options)
     blob = bytes(range(256)) * (440 << 10)  # 110 MiB: s3fs switches to multipart at 100 MiB
-    store.write("big", blob, exclusive=True)
-    assert store.read("big") == blob
+    assert store.objects.create("big", blob)
+    assert store.objects.get("big") == blob
     etag = fsspec.filesystem("s3", **options).info(f"{url}/big".removeprefix("s3://"))["ETag"]
     assert etag.strip('"').endswith("-3")  # three 50 MiB parts: a multipart upload
-    with pytest.raises(FileExistsError):  # If-None-Match holds on the multipart completion too
-        store.write("big", blob, exclusive=True)
+    assert not store.objects.create("big", blob)  # If-None-Match holds on the multipart completion too
 
 
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}}}

@@ -11,8 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, bitwise_equal, torchrun
-from lightning_delta import DeltaLoader, DeltaPublisher, FormatError, PublishError, Store
+from conftest import ROOT, DictObjects, bitwise_equal, torchrun
+from lightning_delta import (
+    ChainError,
+    ConflictError,
+    DeltaLoader,
+    DeltaPublisher,
+    FormatError,
+    PublishError,
+    PublisherSettings,
+    Store,
+    StoreError,
+)
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -28,21 +38,38 @@ def store(request, tmp_path) -> Store:
     return Store(url, options)
 
 
-class TestStoreConformance:
-    def test_write_read_list_delete(self, store):
-        store.write("steps/000000000/000000000001/a", b"one")
-        store.write("steps/000000000/000000000001/b", b"two")
-        assert store.read("steps/000000000/000000000001/a") == b"one"
-        assert store.list("steps/000000000/000000000001") == ["a", "b"]
-        assert store.published_steps() == [1]
-        store.delete(["steps/000000000/000000000001/a"])
-        assert store.list("steps/000000000/000000000001") == ["b"]
-        with pytest.raises(FileNotFoundError):
-            store.read("steps/000000000/000000000001/a")
-        assert store.list("steps/000000000404") == []
+RUN = fmt.RunManifest(
+    "run",
+    2,
+    0.0,
+    (fmt.TensorSpec("w", "bfloat16", (2,)),),
+    (((fmt.SliceSpec(0, 0, 1),),), ((fmt.SliceSpec(0, 1, 1),),)),
+)
 
+
+class TestObjectStoreConformance:
+    """The few verbs of the object-store protocol, on every fsspec backend we ship for."""
+
+    def test_get_put_create_list_delete(self, store):
+        objects = store.objects
+        objects.put("steps/000000000/000000000001/a", b"one")
+        assert objects.create("steps/000000000/000000000001/b", b"two")
+        assert not objects.create("steps/000000000/000000000001/b", b"other")  # taken: nothing written
+        assert objects.get("steps/000000000/000000000001/b") == b"two"
+        assert objects.get("steps/000000000/000000000001/a", 1, 2) == b"n"
+        assert objects.list("steps/000000000/000000000001") == ["a", "b"]
+        assert store.published_steps() == [1]
+        objects.delete(["steps/000000000/000000000001/a"])
+        assert objects.list("steps/000000000/000000000001") == ["b"]
+        assert objects.get("steps/000000000/000000000001/a") is None
+        assert objects.list("steps/000000000404") == []
+        objects.delete_prefix("steps/000000000/000000000001")
+        assert store.published_steps() == []
+
+
+class TestStoreConformance:
     def test_a_step_is_visible_only_when_every_rank_committed(self, store):
-        store.write(fmt.blob_path(3, 1, 2), _blob(_header(1, 2)))  # crashed before its marker
+        store.objects.put(fmt.blob_path(3, 1, 2), _blob(_header(1, 2)))  # crashed before its marker
         store.commit_part(_header(0, 2), _blob(_header(0, 2)))
         store.commit_part(_delta(1, 2), _blob(_delta(1, 2)), bridge=True)  # a bridge does not complete a step
         assert store.committed_ranks(3) == {2: {0}} and not store.is_complete(3, 2)
@@ -53,31 +80,33 @@ class TestStoreConformance:
     def test_a_committed_part_is_never_overwritten(self, store):
         blob = _blob(_header(0, 1))
         store.commit_part(_header(0, 1), blob)
-        with pytest.raises(FileExistsError):
-            store.commit_part(_header(0, 1), blob)
+        with pytest.raises(ConflictError, match="another publisher wrote this step"):
+            store.commit_part(_header(0, 1), _blob(_header(0, 1), payload=b"x"))
+        assert store.objects.get(fmt.blob_path(3, 0, 1)) == blob
 
     def test_heads_and_markers_are_read_without_the_payload(self, store):
-        header = _header(0, 1)
-        store.commit_part(header, _blob(header, payload=b"x" * 10_000))
-        store.commit_part(_delta(0, 1), _blob(_delta(0, 1)), bridge=True)
-        refs = store.part_refs(3, 0, 1)
+        run = store.claim(RUN)
+        header = _header(0, 2, manifest=run.sha256)
+        store.commit_part(header, _blob(header, payload=b"x"))
+        store.commit_part(_delta(0, 2, manifest=run.sha256), _blob(_delta(0, 2, manifest=run.sha256)), bridge=True)
+        refs = store.part_refs(3, 0, 2)
         before = store.bytes_read
-        head = store.read_head(refs[0], 0, 1)
-        assert head.header == header and head.entries == (fmt.PayloadEntry(10_000, 10_000, 7),)
+        head = store.read_head(refs[0], 0, 2)
+        assert head.header == header and head.entries == (fmt.PayloadEntry(1, 1, 7),)
         assert store.bytes_read - before < 1000
         assert [(r.kind, r.prev_step, r.bridge) for r in refs] == [
             (fmt.Kind.BASE, None, False),
             (fmt.Kind.DELTA, 2, True),
         ]
-        assert refs[0].size == len(_blob(header, payload=b"x" * 10_000))
-        assert store.read_part(3, 0, 1, bridge=True).header == _delta(0, 1)
+        assert refs[0].size == len(_blob(header, payload=b"x"))
+        assert store.read_part(3, 0, 2, bridge=True).header == _delta(0, 2, manifest=run.sha256)
 
     def test_publish_and_load_end_to_end(self, store):
         torch.manual_seed(0)
         model = TinyLM()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         truth = {}
-        with DeltaPublisher(store, model, base_every=3) as pub:
+        with DeltaPublisher(store, model, PublisherSettings(base_every=3)) as pub:
             for step in range(1, 6):
                 model(torch.randint(0, 97, (2, 9))).square().mean().backward()
                 opt.step()
@@ -93,12 +122,12 @@ class TestStoreConformance:
             assert all(bitwise_equal(state[k], v) for k, v in expected.items())
 
 
-def _header(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
-    return fmt.PartHeader("0" * 64, step, None, fmt.Kind.BASE, rank, world, 0.0, 0)
+def _header(rank: int, world: int, step: int = 3, manifest: str = "0" * 64) -> fmt.PartHeader:
+    return fmt.PartHeader(manifest, step, None, fmt.Kind.BASE, rank, world, 0.0, 0)
 
 
-def _delta(rank: int, world: int, step: int = 3) -> fmt.PartHeader:
-    return fmt.PartHeader("0" * 64, step, step - 1, fmt.Kind.DELTA, rank, world, 0.0, 0)
+def _delta(rank: int, world: int, step: int = 3, manifest: str = "0" * 64) -> fmt.PartHeader:
+    return fmt.PartHeader(manifest, step, step - 1, fmt.Kind.DELTA, rank, world, 0.0, 0)
 
 
 def _blob(header: fmt.PartHeader, payload: bytes = b"") -> bytes:
@@ -175,14 +204,42 @@ def test_fsdp2_run_publishes_to_s3_bit_exactly(s3_url, tmp_path):
         assert all(bitwise_equal(state[k], v) for k, v in expected.items()), step
 
 
-def test_a_part_copied_to_another_step_is_refused_by_both_readers(tmp_path):
-    store = Store(str(tmp_path / "store"))
-    blob = _blob(_header(0, 1))
-    store.commit_part(_header(0, 1), blob)
-    store.commit_part(_header(0, 1, step=4), blob)  # step 3's part, stored as step 4
+def test_a_part_copied_to_another_step_is_refused_by_both_readers():
+    store = Store(DictObjects())
+    run = store.claim(RUN)
+    blob = _blob(_header(0, 2, manifest=run.sha256))
+    store.commit_part(_header(0, 2, manifest=run.sha256), blob)
+    store.commit_part(_header(0, 2, step=4), blob)  # step 3's part, stored as step 4
     for read in (store.read_part, lambda *where: store.read_head(store.part_refs(*where)[0], *where[1:])):
         with pytest.raises(FormatError, match="holds step 3"):
-            read(4, 0, 1)
+            read(4, 0, 2)
+
+
+def test_the_one_parser_checks_a_part_against_its_marker_its_run_and_its_layout():
+    store = Store(DictObjects())
+    run = store.claim(RUN)
+    cases = {
+        "another run": (_header(0, 2), ChainError),  # the manifest digest of another run
+        "disagree on what it is": (_header(0, 2, manifest=run.sha256), FormatError),  # a base under a delta's marker
+    }
+    for step, (match, (header, error)) in enumerate(cases.items(), start=5):
+        header = fmt.PartHeader(header.manifest, step, header.prev_step, header.kind, 0, 2, 0.0, 0)
+        blob = _blob(header)
+        ref = fmt.PartRef(
+            step,
+            fmt.Kind.DELTA if "disagree" in match else fmt.Kind.BASE,
+            step - 1 if "disagree" in match else None,
+            len(blob),
+        )
+        with pytest.raises(error, match=match):
+            fmt.parse_part(blob, ref, 0, run)
+    header = _header(0, 2, manifest=run.sha256)
+    two = fmt.encode_blob(header, [fmt.PayloadEntry(0, 0, 7)] * 2, [b"", b""])
+    with pytest.raises(FormatError, match="2 payloads, the run's layout 1"):
+        fmt.parse_part(two, fmt.PartRef(3, fmt.Kind.BASE, None, len(two)), 0, run)
+    many = fmt.encode_blob(header, [fmt.PayloadEntry(0, 5, 7)], [b""])
+    with pytest.raises(FormatError, match="5 of a payload's 1 elements"):
+        fmt.parse_part(many, fmt.PartRef(3, fmt.Kind.BASE, None, len(many)), 0, run)
 
 
 def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tmp_path):
@@ -197,20 +254,23 @@ def test_a_transaction_on_fsspecs_shared_instance_does_not_capture_our_writes(tm
 def test_a_request_without_an_answer_is_logged_once(tmp_path, caplog, monkeypatch):
     import threading
 
-    from lightning_delta import store as store_module
+    from fsspec.implementations.local import LocalFileSystem
 
-    monkeypatch.setattr(store_module, "SLOW_SECONDS", 0.01)
-    store = Store(str(tmp_path / "store"))
-    store.write("x", b"data")
-    answered, original = threading.Event(), store._fs.cat_file
+    from lightning_delta import objects as objects_module
 
-    def slow_cat_file(*args, **kwargs):
-        assert answered.wait(120)
-        return original(*args, **kwargs)
+    answered = threading.Event()
 
-    store._fs.cat_file = slow_cat_file
-    caplog.set_level("WARNING", logger="lightning_delta.store")
-    reader = threading.Thread(target=lambda: [store.read("x") for _ in range(3)])
+    class Hanging(LocalFileSystem):
+        def cat_file(self, *args, **kwargs):
+            assert answered.wait(120)
+            return super().cat_file(*args, **kwargs)
+
+    monkeypatch.setattr(objects_module, "SLOW_SECONDS", 0.01)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "x").write_bytes(b"data")
+    objects = objects_module.FsspecObjects.over(Hanging(skip_instance_cache=True), str(tmp_path / "store"))
+    caplog.set_level("WARNING", logger="lightning_delta.objects")
+    reader = threading.Thread(target=lambda: [objects.get("x") for _ in range(3)])
     reader.start()
     deadline = time.monotonic() + 120
     while not caplog.records:  # the request hangs until the warning is out
@@ -223,13 +283,25 @@ def test_a_request_without_an_answer_is_logged_once(tmp_path, caplog, monkeypatc
 
 
 def test_a_local_store_failure_names_the_file_system(tmp_path):
-    from lightning_delta import StoreError
+    from fsspec.implementations.local import LocalFileSystem
 
-    store = Store(str(tmp_path / "store"))
+    from lightning_delta.objects import FsspecObjects
 
-    def denied(*args, **kwargs):
-        raise PermissionError(13, "Permission denied")
+    class Denied(LocalFileSystem):
+        def cat_file(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied")
 
-    store._fs.cat_file = denied
+    store = Store(FsspecObjects.over(Denied(skip_instance_cache=True), str(tmp_path / "store")))
     with pytest.raises(StoreError, match=r"store \(the local file system\): access denied while reading run\.json"):
         store.manifest()
+
+
+def test_an_unwritable_local_prefix_is_a_store_error_naming_the_path(tmp_path):
+    (tmp_path / "file").write_text("a regular file, not a folder")
+    url = str(tmp_path / "file" / "store")
+    with pytest.raises(
+        StoreError,
+        match=rf"{url} \(the local file system\): Not a directory \(a part of the path is a regular file\) "
+        r"while writing run\.json",
+    ):
+        DeltaPublisher(url, TinyLM())

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     ChainError,
     ChecksumError,
+    ConflictError,
     DeltaError,
     FormatError,
     ModelMismatchError,
@@ -24,9 +25,11 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .callback import DeltaCallback
-    from .follow import FollowedStep
-    from .loader import DeltaLoader, LoadReport
-    from .publisher import Backlog, DeltaPublisher
+    from .follow import FollowedStep, FollowSettings
+    from .format import DType
+    from .loader import DeltaLoader, FullCheck, LoaderSettings
+    from .patch import LoadReport
+    from .publisher import Backlog, DeltaPublisher, PublisherSettings
     from .store import Store
 
 __version__ = "0.1.0"
@@ -35,15 +38,21 @@ __all__ = [
     "Backlog",
     "ChainError",
     "ChecksumError",
+    "ConflictError",
+    "DType",
     "DeltaCallback",
     "DeltaError",
     "DeltaLoader",
     "DeltaPublisher",
+    "FollowSettings",
     "FollowedStep",
     "FormatError",
+    "FullCheck",
     "LoadReport",
+    "LoaderSettings",
     "ModelMismatchError",
     "PublishError",
+    "PublisherSettings",
     "SnapshotNotFoundError",
     "Store",
     "StoreError",
@@ -54,11 +63,16 @@ __all__ = [
 
 _LAZY = {
     "Backlog": "publisher",
+    "DType": "format",
     "DeltaCallback": "callback",
     "DeltaLoader": "loader",
     "DeltaPublisher": "publisher",
+    "FollowSettings": "follow",
     "FollowedStep": "follow",
-    "LoadReport": "loader",
+    "FullCheck": "loader",
+    "LoadReport": "patch",
+    "LoaderSettings": "loader",
+    "PublisherSettings": "publisher",
     "Store": "store",
 }
 

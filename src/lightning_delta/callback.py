@@ -12,9 +12,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from .codec import CodecOptions
 from .errors import UnsupportedStrategyError
-from .publisher import Backlog, DeltaPublisher, PublisherSettings, step_metrics
+from .publisher import DeltaPublisher, PublisherSettings, step_metrics
 
 __all__ = ["DeltaCallback"]
 
@@ -28,14 +27,10 @@ class DeltaCallback(Callback):
 
     Args:
         store: fsspec URL of the chain (a local directory works).
-        base_every: a full base every this many steps, deltas in between.
-        dtype: the 16-bit dtype that is shipped.
+        settings: schedule, dtype, codec, backlog and retention (`PublisherSettings`).
         submodule: publish `pl_module.<submodule>` (dotted path) instead of the whole
             LightningModule, so names match a bare model on the rollout side.
         storage_options: passed to fsspec (endpoint, credentials, retries).
-        codec: compressor and level of the payloads.
-        backlog: what to do when `max_pending` snapshots are waiting for upload.
-        keep_bases: keep only the steps from the `keep_bases`-th newest complete base on.
         probe: called with the LightningModule after each optimizer step, on every rank (so it
             may run a sharded forward); its tensor, the log-probs of a fixed probe batch, is
             published with the step for rollout workers to compare against (see
@@ -46,20 +41,16 @@ class DeltaCallback(Callback):
     def __init__(
         self,
         store: str,
-        base_every: int = 25,
-        dtype: torch.dtype | str = torch.bfloat16,
+        settings: PublisherSettings | None = None,
         *,
         submodule: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        codec: CodecOptions | None = None,
-        backlog: Backlog = Backlog.BLOCK,
-        max_pending: int = 2,
-        keep_bases: int | None = None,
         probe: Callable[[pl.LightningModule], torch.Tensor] | None = None,
     ) -> None:
-        self.settings = PublisherSettings(
-            store, base_every, dtype, storage_options, codec, backlog, max_pending, keep_bases
-        )
+        if not store:
+            raise ValueError("store must be a URL or a local path")
+        self.store, self.settings = store, settings or PublisherSettings()
+        self.storage_options = dict(storage_options or {})
         self.submodule = submodule
         self.probe = probe
         self.publisher: DeltaPublisher | None = None
@@ -69,7 +60,7 @@ class DeltaCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(store=self.settings.store, submodule=self.submodule)
+        return self._generate_state_key(store=self.store, submodule=self.submodule)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -98,9 +89,12 @@ class DeltaCallback(Callback):
         if trainer.fast_dev_run:  # publishes nothing
             return
         module = pl_module.get_submodule(self.submodule) if self.submodule else pl_module
-        self.publisher = self.settings.publisher(module, run_id=self._run_id if trainer.global_step > 0 else None)
+        run_id = self._run_id if trainer.global_step > 0 else None
+        self.publisher = DeltaPublisher(
+            self.store, module, self.settings, storage_options=self.storage_options, run_id=run_id
+        )
         self._run_id = self.publisher.run_id
-        where, every = self.settings.store, self.settings.base_every
+        where, every = self.store, self.settings.base_every
         rank_zero_info(f"DeltaCallback: publishing run {self._run_id} to {where} (base every {every})")
         # Resuming: steps up to the store's last may come from after the checkpoint (a crash); the
         # new trajectory publishes only past them, starting with a base, so loaders see one chain.

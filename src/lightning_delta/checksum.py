@@ -25,8 +25,9 @@ once and stay in cache; fresh 32 MiB temporaries per chunk cost ten times as muc
 _CUDA_CHUNK = 1 << 22  # no page faults there, but each chunk is ten kernel launches
 
 
-def _mix_sum(bits: Tensor, index: Tensor | None = None) -> int:
-    """sum(mix(i * 2**16 + u)) mod 2**64 over 16-bit `bits` at positions `index` (default 0, 1, ...)."""
+def _mix_sum(bits: Tensor, index: Tensor | None = None, offset: int = 0) -> int:
+    """sum(mix(i * 2**16 + u)) mod 2**64 over 16-bit `bits` at positions `index` (default offset,
+    offset + 1, ...)."""
     n, device = bits.numel(), bits.device
     chunk = _CUDA_CHUNK if device.type == "cuda" else _CHUNK
     x, shifted, keys = (torch.empty(min(n, chunk), dtype=torch.int64, device=device) for _ in range(3))
@@ -36,7 +37,7 @@ def _mix_sum(bits: Tensor, index: Tensor | None = None) -> int:
         k = part.numel()
         xs, ts, ks = x[:k], shifted[:k], keys[:k]
         if index is None:
-            torch.arange(start << 16, (start + k) << 16, 1 << 16, out=ks)
+            torch.arange((offset + start) << 16, (offset + start + k) << 16, 1 << 16, out=ks)
         else:
             torch.mul(index[start : start + k], 1 << 16, out=ks)
         xs.copy_(part).bitwise_and_(0xFFFF).add_(ks)
@@ -48,10 +49,12 @@ def _mix_sum(bits: Tensor, index: Tensor | None = None) -> int:
     return int(total) & _MASK64  # one device sync per call, not one per chunk
 
 
-def checksum(bits: Tensor) -> int:
-    """Checksum of a 1-D tensor of 16-bit elements, computed on its device."""
+def checksum(bits: Tensor, offset: int = 0) -> int:
+    """Checksum of a 1-D tensor of 16-bit elements, computed on its device.  With `offset`, the
+    share of a payload's checksum of the elements at positions `offset, offset + 1, ...`: the
+    checksum of a payload is the sum, mod 2**64, of the shares of its pieces."""
     _check_bits(bits)
-    return _mix_sum(bits)
+    return _mix_sum(bits, offset=offset)
 
 
 def checksum_update(previous: int, index: Tensor, old: Tensor, new: Tensor) -> int:

@@ -223,8 +223,10 @@ def _cost(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from .retention import collect
+
     store, _ = open_run(args)
-    doomed = store.collect(args.keep_bases, dry_run=args.dry_run)
+    doomed = collect(store, args.keep_bases, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
         return _emit({"deleted_steps" if not args.dry_run else "would_delete_steps": doomed})

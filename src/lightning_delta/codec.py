@@ -44,7 +44,8 @@ import zstandard
 from torch import Tensor
 
 from .errors import FormatError
-from .format import MAX_ELEMENTS
+from .format import MAX_ELEMENTS, DType
+from .records import enum_member
 
 __all__ = [
     "Change",
@@ -54,10 +55,13 @@ __all__ = [
     "Decoded",
     "Mode",
     "Packed",
+    "Patch",
     "ValueCoding",
     "decode",
     "decode_change",
+    "decode_patch",
     "diff",
+    "diff_counted",
     "encode",
     "exponent_bytes",
     "may_pack_raw",
@@ -73,8 +77,7 @@ if sys.byteorder != "little":  # byte planes below are views of little-endian me
 MAGIC = b"LDC\x01"
 _HEADER = struct.Struct("<4sBBBB")  # magic, mode, value coding, low bits, dtype; then varints n, m, k
 
-DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
-_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_CODED = frozenset(d.torch for d in DType)
 
 
 class Mode(IntEnum):
@@ -110,7 +113,7 @@ class Context(IntEnum):
     AUTO = 2  # EXPONENT where the tensors live on an accelerator, NONE on the CPU
 
 
-@dataclass(frozen=True)
+@dataclass
 class CodecOptions:
     """Encoder choices; decoding never needs them."""
 
@@ -126,6 +129,8 @@ class CodecOptions:
     codec's time on a CPU (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
+        self.compressor = enum_member(Compressor, self.compressor)
+        self.context = enum_member(Context, self.context)
         if not 1 <= self.level <= 22:
             raise ValueError(f"compression level must be in 1..22, got {self.level}")
         if self.threads < 1:
@@ -179,6 +184,15 @@ class Decoded:
     change: Change | None
 
 
+@dataclass(frozen=True)
+class Patch:
+    """A payload decoded without the old tensor in hand: the change (SPARSE, CLASSED), or, for a
+    RAW payload, every element."""
+
+    change: Change | None
+    whole: Tensor | None
+
+
 # ---------------------------------------------------------------- device side: diff and pack
 
 
@@ -209,6 +223,17 @@ def diff(old: Tensor, new: Tensor, *, exponents: bool = False) -> Change:
         index = torch.cat([index, tail])
         olds, news = torch.cat([olds, a.index_select(0, tail)]), torch.cat([news, b.index_select(0, tail)])
     return Change(index, olds, news, new.numel(), new.dtype, classes)
+
+
+def diff_counted(old: Tensor, new: Tensor, changed: Tensor, count: int, *, exponents: bool = False) -> Change:
+    """`diff`, given the mask of changed elements and how many there are: on an accelerator the
+    caller finds every tensor's count with one host sync (`changed.sum()` of each, then one
+    transfer of them all), and this does the rest without another (`nonzero_static`)."""
+    _check_pair(old, new)
+    a, b = old.view(torch.int16), new.view(torch.int16)
+    index = torch.nonzero_static(changed, size=count).squeeze(1)
+    classes = exponent_bytes(old) if exponents and old.dtype in _EXPONENT_SHIFT else None
+    return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype, classes)
 
 
 _EXPONENT_SHIFT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}
@@ -394,7 +419,7 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
     if packed.alternative is not None:
         one, other = serialize(replace(packed, alternative=None), options), serialize(packed.alternative, options)
         return one if len(one) <= len(other) else other
-    header = _HEADER.pack(MAGIC, packed.mode, packed.values, packed.low_bits, DTYPE_CODES[packed.dtype])
+    header = _HEADER.pack(MAGIC, packed.mode, packed.values, packed.low_bits, DType.of(packed.dtype).code)
     parts = [header, _varint(packed.n), _varint(packed.m), _varint(packed.k)]
     if packed.mode == Mode.CLASSED:
         parts.append(_varint(len(packed.classes)))
@@ -426,7 +451,7 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
     if n != numel:
         raise FormatError(f"tensor payload holds {n} elements, expected {numel}")
     try:
-        mode, coding, dtype = Mode(mode), ValueCoding(coding), _DTYPES[dtype_code]
+        mode, coding, dtype = Mode(mode), ValueCoding(coding), DType.from_code(dtype_code).torch
     except (ValueError, KeyError) as err:
         raise FormatError(f"tensor payload has an unknown mode, coding or dtype: {err}") from None
     raw_codings = (ValueCoding.NONE, ValueCoding.EXPONENT) if dtype == torch.bfloat16 else (ValueCoding.NONE,)
@@ -506,36 +531,73 @@ def decode_change(
         if (numel, dtype) != (None, None) and (numel, dtype) != (old.numel(), old.dtype):
             raise ValueError(f"`old` is {old.dtype} of {old.numel()} elements, not {dtype} of {numel}")
         numel, dtype = old.numel(), old.dtype
-    packed = parse(payload, numel)
     device = old.device if old is not None else (out.device if out is not None else torch.device("cpu"))
     if out is not None and (out.shape != (numel,) or out.device != device or out is old or out.dtype != dtype):
         raise ValueError(f"out must be a {dtype} tensor of {numel} elements on {device}, other than `old`")
+    bits = old.view(torch.int16) if old is not None else None
+    patch = decode_patch(
+        payload,
+        numel=numel,
+        dtype=dtype,
+        device=device,
+        old_at=None if bits is None else lambda index: bits.index_select(0, index),
+        exponents=None if old is None else lambda: exponent_bytes(old),
+        out=out,
+    )
+    if patch.whole is not None:
+        return Decoded(patch.whole, None)
+    assert patch.change is not None and bits is not None  # decode_patch needs `old_at` for a change
+    if out is None:
+        out = _empty(numel, dtype, device)
+    new = out.view(torch.int16)
+    new.copy_(bits)
+    new.index_copy_(0, patch.change.index, patch.change.new)
+    return Decoded(out, patch.change)
+
+
+def decode_patch(
+    payload: bytes | memoryview,
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    old_at: Callable[[Tensor], Tensor] | None,
+    exponents: Callable[[], Tensor] | None,
+    out: Tensor | None = None,
+) -> Patch:
+    """Decode a payload of `numel` elements of `dtype` without the old tensor in hand.
+
+    `old_at(positions)` gives the old int16 bits at ascending positions: a SPARSE payload reads
+    only the changed ones, so its work and memory follow the change, not the tensor.  A CLASSED
+    payload also needs `exponents()`, the old tensor's exponent bytes (`exponent_bytes`), which
+    costs a pass over it and a sort.  A RAW payload needs neither and is decoded into `out` if
+    given.  Nothing here writes anywhere else: the caller verifies the patch, then applies it.
+    """
+    packed = parse(payload, numel)
     if packed.dtype != dtype:
         raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
-    if out is None:
-        try:
-            out = torch.empty(numel, dtype=packed.dtype, device=device)
-        except (RuntimeError, MemoryError):  # a size the header allows but this machine cannot hold
-            raise FormatError(f"cannot allocate {numel} elements of {packed.dtype} on {device}") from None
     sections = [s.to(device) for s in packed.sections]
-    if packed.mode == Mode.RAW and packed.values == ValueCoding.EXPONENT:
-        exponent, sign_mantissa = sections[0].to(torch.int16), sections[1].to(torch.int16)
-        out.view(torch.int16).copy_((sign_mantissa & 0x80) << 8 | exponent << 7 | sign_mantissa & 0x7F)
-        return Decoded(out, None)
     if packed.mode == Mode.RAW:
-        pairs = out.view(torch.uint8).view(-1, 2)
-        pairs[:, 0].copy_(sections[0])
-        pairs[:, 1].copy_(sections[1])
-        return Decoded(out, None)
-    if old is None:
+        whole = _empty(numel, dtype, device) if out is None else out
+        if packed.values == ValueCoding.EXPONENT:
+            exponent, sign_mantissa = sections[0].to(torch.int16), sections[1].to(torch.int16)
+            whole.view(torch.int16).copy_((sign_mantissa & 0x80) << 8 | exponent << 7 | sign_mantissa & 0x7F)
+        else:
+            pairs = whole.view(torch.uint8).view(-1, 2)
+            pairs[:, 0].copy_(sections[0])
+            pairs[:, 1].copy_(sections[1])
+        return Patch(None, whole)
+    if old_at is None:
         raise FormatError("a SPARSE tensor payload needs the previous tensor to decode against")
     n, m, low_bits = packed.n, packed.m, packed.low_bits
-    bits = old.view(torch.int16)
     if m == 0:
         nothing = torch.empty(0, dtype=torch.int64, device=device)
-        return Decoded(out.copy_(old), Change(nothing, bits[nothing], bits[nothing], n, old.dtype))
+        olds = old_at(nothing)
+        return Patch(Change(nothing, olds, olds, n, dtype), None)
     if packed.mode == Mode.CLASSED:
-        in_class_order = _classed_positions(old, packed, sections[0], sections[1])
+        if exponents is None:
+            raise ValueError("a CLASSED payload needs the old tensor's exponents")
+        in_class_order = _classed_positions(exponents(), packed, sections[0], sections[1], device)
         index, by_position = torch.sort(in_class_order)
     else:
         low = _unpack_fixed(sections[0], m, low_bits)
@@ -556,18 +618,25 @@ def decode_change(
     if packed.k and bool(((step > 32767) | (step < -32768)).any()):
         raise FormatError("a tensor payload holds a change larger than 16 bits")
     step = step.to(torch.int16) if by_position is None else step.to(torch.int16)[by_position]
-    olds = bits.index_select(0, index)
-    change = Change(index, olds, olds + step, n, old.dtype)
-    new = out.view(torch.int16)
-    new.copy_(bits)
-    new.index_copy_(0, index, change.new)
-    return Decoded(out, change)
+    olds = old_at(index)
+    return Patch(Change(index, olds, olds + step, n, dtype), None)
 
 
-def _classed_positions(old: Tensor, packed: Packed, low_section: Tensor, high_section: Tensor) -> Tensor:
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    try:
+        return torch.empty(numel, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError):  # a size the header allows but this machine cannot hold
+        raise FormatError(f"cannot allocate {numel} elements of {dtype} on {device}") from None
+
+
+def _classed_positions(
+    exponents: Tensor, packed: Packed, low_section: Tensor, high_section: Tensor, device: torch.device
+) -> Tensor:
     """The changed positions of a CLASSED payload, in class order (class, then position)."""
-    m, device = packed.m, old.device
-    order, first, members = _class_order(exponent_bytes(old))
+    m = packed.m
+    if exponents.shape != (packed.n,) or exponents.dtype != torch.uint8:
+        raise ValueError(f"exponents must be {packed.n} uint8 values, got {exponents.dtype} {tuple(exponents.shape)}")
+    order, first, members = _class_order(exponents.to(device))
     layout = _ClassLayout(packed.classes, device)
     keys = torch.tensor([key for key, _, _ in packed.classes], dtype=torch.int64, device=device)
     if not torch.equal(members.index_select(0, keys), layout.members):
@@ -730,9 +799,9 @@ def _unpack_fixed(data: Tensor, count: int, width: int) -> Tensor:
 
 
 def _check_tensor(t: Tensor) -> None:
-    if t.dim() != 1 or t.dtype not in DTYPE_CODES or not t.is_contiguous():
+    if t.dim() != 1 or t.dtype not in _CODED or not t.is_contiguous():
         raise ValueError(
-            f"the codec takes contiguous 1-D tensors of {sorted(map(str, DTYPE_CODES))}, "
+            f"the codec takes contiguous 1-D tensors of {sorted(d.value for d in DType)}, "
             f"got {t.dtype} of shape {tuple(t.shape)}"
         )
 
@@ -800,6 +869,11 @@ def _lz4_decompress(data: memoryview, size: int) -> bytes:
     return lz4.block.decompress(data, uncompressed_size=size)
 
 
+_EXPANSION = {Compressor.ZSTD: 1 << 15, Compressor.LZ4: 1 << 8}
+"""The most each stored byte can decompress to: a zstd block (3-byte header) holds at most 128 KiB
+and its densest form, an RLE block, takes 4 bytes for that; an lz4 sequence adds at most 255 bytes
+of match length per byte."""
+
 _BACKENDS = {
     Compressor.ZSTD: _Backend(_zstd_compress, _zstd_decompress),
     Compressor.LZ4: _Backend(lambda data, level: lz4.block.compress(data, store_size=False), _lz4_decompress),
@@ -813,6 +887,9 @@ def _decompress(code: int, data: memoryview, size: int) -> bytes | memoryview:
         raise FormatError(f"unknown compressor code {code} in tensor payload") from None
     if compressor == Compressor.NONE:
         out: bytes | memoryview = data
+    elif size > len(data) * _EXPANSION[compressor]:
+        # Checked before anything is allocated: a few stored bytes never size a huge output.
+        raise FormatError(f"a {len(data)}-byte {compressor.name} section cannot hold the {size} bytes expected")
     else:
         try:
             out = _BACKENDS[compressor].decompress(data, size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ChainError",
     "ChecksumError",
+    "ConflictError",
     "DeltaError",
     "FormatError",
     "ModelMismatchError",
@@ -40,6 +41,10 @@ class StoreError(DeltaError, OSError):
     denied.  The message names the URL and the endpoint, never a credential."""
 
 
+class ConflictError(DeltaError, FileExistsError):
+    """Another writer created an object of the chain first: two publishers on one prefix."""
+
+
 class SnapshotNotFoundError(DeltaError, LookupError):
     """The requested step is not (or not completely) published."""
 
@@ -54,3 +59,10 @@ class UnsupportedStrategyError(DeltaError, TypeError):
 
 class PublishError(DeltaError, RuntimeError):
     """A background upload failed; raised on the trainer's next publish or at close."""
+
+
+def by_name(name: str) -> type[DeltaError]:
+    """The error class `name` (one of `__all__`), or `DeltaError`: how an error raised by one
+    worker of a group is raised, as the same type, by the others."""
+    found = globals().get(name)
+    return found if isinstance(found, type) and issubclass(found, DeltaError) and name in __all__ else DeltaError

@@ -1,10 +1,13 @@
-"""Following a chain while it is written: poll, prefetch the next verified step, re-sync on damage.
+"""Following a chain while it is written: poll, decode the next verified step ahead, re-sync on damage.
 
-A background thread polls the store, rebuilds the newest complete step and verifies it, while the
-caller generates on the step it holds; at most `prefetch` rebuilt steps wait in between.  A follower
-that fell behind jumps to the newest step: the loader decodes the deltas in between, but only the
-newest one is handed out.  A step whose chain is broken (a lost delta, a corrupt object) is logged
-and skipped, so the follower re-syncs at the next step that rebuilds, at the latest the next base.
+A background thread polls the store, fetches the newest complete step, decodes it into a patch of
+the held state and verifies it, while the caller generates on the step it holds; the caller's
+`FollowedStep.apply_to(module)` then only writes the patch.  The thread decodes the next step once
+the previous one is settled (written, or passed over by the caller), so it always decodes against
+the state the write will meet.  A follower that fell behind jumps to the newest step (the deltas in
+between are composed into one patch); a step whose chain is broken (a lost delta, a corrupt object)
+is logged and skipped, so the follower re-syncs at the next step that rebuilds, at the latest the
+next base.  Every decision is taken in that thread and, with a replica, agreed by all its workers.
 """
 
 from __future__ import annotations
@@ -14,37 +17,89 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from .errors import DeltaError
-from .replica import agree
+from .patch import LoadReport, StepPatch
 
-if TYPE_CHECKING:
-    from .loader import DeltaLoader, LoadReport
-
-__all__ = ["FollowedStep", "follow"]
+__all__ = ["FollowSettings", "FollowedStep", "follow"]
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class FollowSettings:
+    """How a follower polls and which steps it hands out (Hydra's `follow` group is this dataclass)."""
+
+    poll_seconds: float = 1.0
+    """Seconds between polls of the store while no newer step is complete."""
+    prefetch: bool = True
+    """Decode the next step in the background while the caller works on the current one."""
+    max_staleness: int | None = None
+    """Warn when a step is more than this many published steps behind once it is verified."""
+    catch_up: bool = False
+    """With `max_staleness`: drop such a step and take the newest one instead."""
+    jump: bool = True
+    """Jump to the newest complete step; False hands out every complete step in order (replay)."""
+    timeout: float | None = None
+    """End the iteration after this many seconds without a new step; None follows forever."""
+
+    def __post_init__(self) -> None:
+        if self.poll_seconds <= 0:
+            raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 or None, got {self.timeout}")
+
+
+class Source(Protocol):
+    """What following needs of a loader (`DeltaLoader` is one)."""
+
+    @property
+    def holds_module(self) -> bool: ...
+
+    @property
+    def held_step(self) -> int | None: ...
+
+    def steps(self, after: int | None = None) -> list[int]: ...
+
+    def decide(self, value: int | BaseException) -> list[int]: ...
+
+    def prepare(self, step: int) -> StepPatch: ...
+
+    def write(
+        self, prepared: StepPatch, module: nn.Module | None = None, *, rename: Callable[[str], str | None] | None = None
+    ) -> float: ...
+
+    def tensors_of(self, prepared: StepPatch) -> dict[str, Tensor]: ...
+
+
 @dataclass(frozen=True)
 class FollowedStep:
-    """One verified step handed to the caller."""
+    """One verified step handed to the caller; `apply_to` writes it."""
 
     step: int
-    tensors: dict[str, Tensor]
-    behind: int  # complete steps published after this one, when it was handed out
+    behind: int  # complete steps published after this one, when it was verified
     report: LoadReport
     skipped: tuple[int, ...]  # newer steps that did not rebuild since the previous one (damage)
+    _source: Source = field(repr=False)
+    _prepared: StepPatch = field(repr=False)
+    _settled: Callable[[], None] = field(repr=False)
 
     @property
     def probe(self) -> tuple[float, ...] | None:
         """The trainer's probe log-probs at this step, if it published them."""
         return self.report.probe
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """Copies of every tensor of this step (taken on first use, before the next step)."""
+        return self._source.tensors_of(self._prepared)
 
     def probe_error(self, recomputed: Tensor) -> float:
         """Largest absolute difference between `recomputed` log-probs and the trainer's probe."""
@@ -63,11 +118,13 @@ class FollowedStep:
         rename: Callable[[str], str | None] | None = None,
         after: Callable[[nn.Module], None] | None = None,
     ) -> float:
-        """Copy this step into `module` in place (names and shapes are checked first), then run
-        `after`; returns the seconds of the copy, the only pause a follower sees."""
-        from .loader import copy_into
-
-        seconds = copy_into(module, self.tensors, self.step, rename=rename)
+        """Write this step into `module` in place (names, shapes and dtypes are checked first), then
+        run `after`; returns the seconds of the write, the only pause a follower sees.  The module
+        becomes the held state: the next step is decoded against it while the caller generates."""
+        try:
+            seconds = self._source.write(self._prepared, module, rename=rename)
+        finally:
+            self._settled()
         if after is not None:
             after(module)
         return seconds
@@ -80,86 +137,125 @@ class _End:
         self.error = error
 
 
-_NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # producer decisions besides a step number
+_NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # decisions besides a step number
 
 
-def follow(
-    loader: DeltaLoader,
-    *,
-    poll_seconds: float = 1.0,
-    prefetch: int = 1,
-    max_staleness: int | None = None,
-    catch_up: bool = False,
-    jump: bool = True,
-    timeout: float | None = None,
-) -> Iterator[FollowedStep]:
+class _Turn:
+    """Whose turn it is: the producer decodes only once the caller settled the step handed out
+    (and, without prefetch, asked for the next one)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._settled, self._asked, self._stopped = True, False, False
+
+    def settle(self) -> None:
+        with self._changed:
+            self._settled = True
+            self._changed.notify_all()
+
+    def ask(self) -> None:
+        with self._changed:
+            self._asked = True
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def wait(self, prefetch: bool) -> None:
+        """Wait until the producer may decode, or it stops."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._stopped or (self._settled and (prefetch or self._asked)))
+
+    def pause(self, seconds: float) -> None:
+        """Wait `seconds` between polls, or until the caller stops."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._stopped, seconds)
+
+    def handed_out(self) -> None:
+        with self._changed:
+            self._settled, self._asked = False, False
+
+
+def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
     """Yield each newer complete, verified step; see `DeltaLoader.follow`."""
-    if prefetch < 1 or poll_seconds <= 0:
-        raise ValueError("prefetch must be >= 1 and poll_seconds > 0")
-    ready: queue.Queue[FollowedStep | _End] = queue.Queue(maxsize=prefetch)
-    stop = threading.Event()
-
-    def hand_over(item: FollowedStep | _End) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    ready: queue.Queue[FollowedStep | _End] = queue.Queue()  # `turn` keeps it to one step ahead
+    turn = _Turn()
 
     def produce() -> None:
-        last, skipped, idle_since, said = None, [], time.monotonic(), False
+        last = source.held_step  # newer steps than the one held
+        skipped: list[int] = []
+        idle_since, said = time.monotonic(), False
+        handed_out = False
         try:
             while True:
-                newer = loader.steps(after=last)
-                if not newer and last is None and not said:  # a follower started before its trainer
-                    log.warning(
-                        "following %s: no complete step yet, polling every %s s", loader.store.url, poll_seconds
-                    )
-                    said = True
-                newest = (newer[-1] if jump else newer[0]) if newer else _NONE
-                if newest == _NONE and timeout is not None and time.monotonic() - idle_since > timeout:
-                    newest = _TIMED_OUT
-                if stop.is_set():
-                    newest = _STOPPED
-                if loader.group is not None:  # a replica's workers all do what group rank 0 does
-                    newest = agree(newest, loader.group)
-                if newest in (_STOPPED, _TIMED_OUT):
-                    hand_over(_End())
+                turn.wait(settings.prefetch)
+                if handed_out:  # the caller's time with a step is not idle time of the chain
+                    idle_since, handed_out = time.monotonic(), False
+                decision: int | BaseException
+                try:
+                    newer = source.steps(after=last)
+                    if not newer and last is None and not said:  # a follower started before its trainer
+                        log.warning("following: no complete step yet, polling every %s s", settings.poll_seconds)
+                        said = True
+                    decision = (newer[-1] if settings.jump else newer[0]) if newer else _NONE
+                    if decision == _NONE and settings.timeout is not None:
+                        decision = _TIMED_OUT if time.monotonic() - idle_since > settings.timeout else _NONE
+                    decision = _STOPPED if turn.stopped else decision
+                except DeltaError as err:
+                    decision = err
+                decisions = source.decide(decision)  # a replica's workers all do what rank 0 does
+                if _STOPPED in decisions or decisions[0] == _TIMED_OUT:  # any worker's caller stopped
+                    ready.put(_End())
                     return
+                newest = decisions[0]
                 if newest == _NONE:
-                    stop.wait(poll_seconds)
+                    turn.pause(settings.poll_seconds)
                     continue
                 try:
-                    step, tensors = loader.state_dict(newest)
+                    prepared = source.prepare(newest)
                 except DeltaError as err:  # damage: wait for a step that rebuilds (the next base)
                     log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, err)
                     skipped.append(newest)
                     last = newest
                     continue
-                assert loader.last_report is not None
-                # A stopped caller takes nothing more; the loop then ends at the next decision.
-                hand_over(FollowedStep(step, tensors, 0, loader.last_report, tuple(skipped)))
-                last, skipped, idle_since = step, [], time.monotonic()
+                newer_count: int | BaseException
+                try:
+                    newer_count = len(source.steps(after=newest))
+                except DeltaError as err:
+                    newer_count = err
+                behind = source.decide(newer_count)[0]
+                last, idle_since = newest, time.monotonic()
+                if settings.max_staleness is not None and behind > settings.max_staleness:
+                    log.warning("following: step %d is %d steps behind the store", newest, behind)
+                    if settings.catch_up:  # take the newest instead, decoded against the same state
+                        continue
+                turn.handed_out()
+                ready.put(FollowedStep(newest, behind, prepared.report, tuple(skipped), source, prepared, turn.settle))
+                skipped, handed_out = [], True
         except Exception as err:  # a store that fails for good: re-raised in the caller's thread
-            hand_over(_End(err))
+            ready.put(_End(err))
 
     worker = threading.Thread(target=produce, name="delta-follow", daemon=True)
     worker.start()
     try:
         while True:
+            turn.ask()
             item = ready.get()
             if isinstance(item, _End):
                 if item.error is not None:
                     raise item.error
                 return
-            behind = len(loader.steps(after=item.step))
-            if max_staleness is not None and behind > max_staleness:
-                log.warning("following %s: step %d is %d steps behind the store", loader.store.url, item.step, behind)
-                if catch_up:  # the producer is already rebuilding the newest step: wait for that one
-                    continue
-            yield FollowedStep(item.step, item.tensors, behind, item.report, item.skipped)
+            if not source.holds_module:  # the loader's own copies take the step as it is handed out
+                source.write(item._prepared)
+                item._settled()
+            yield item
+            item._settled()  # passed over without `apply_to`: the held state stays where it was
     finally:
-        stop.set()
+        turn.stop()
         worker.join()

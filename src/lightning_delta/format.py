@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import records
-from .errors import ChecksumError, FormatError
+from .errors import ChainError, ChecksumError, FormatError
 
 __all__ = [
     "MAX_ELEMENTS",
@@ -50,11 +50,13 @@ __all__ = [
     "RUN_FORMAT",
     "RUN_MANIFEST",
     "CommitMarker",
+    "DType",
     "Kind",
     "Head",
     "Part",
     "PartHeader",
     "PartName",
+    "PartRef",
     "PayloadEntry",
     "Run",
     "RunManifest",
@@ -73,6 +75,7 @@ __all__ = [
     "encode_manifest",
     "head_end",
     "parse_block_name",
+    "parse_part",
     "parse_part_name",
     "parse_step_name",
     "step_dir",
@@ -107,7 +110,50 @@ _ENTRY = struct.Struct("<QQQ")  # a payload's length, changed elements, checksum
 _PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})(\.bridge)?\.ldelta\.commit")  # \d takes fullwidth digits
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DType(str, Enum):
+    """Every 16-bit element type of the format, named once: the manifest spells a tensor's dtype by
+    its value, a tensor payload by its `code` (docs/FORMAT.md sections 3 and 4)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    int16 = "int16"  # tensor payloads only: a run ships floating-point weights
+
+    @property
+    def torch(self) -> torch.dtype:
+        return _TORCH[self]
+
+    @property
+    def code(self) -> int:
+        return _CODES[self]
+
+    @property
+    def shipped(self) -> bool:
+        """Whether a run may ship tensors of this type."""
+        return self is not DType.int16
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | str) -> DType:
+        """The format's name of a torch dtype, or of its spelling in a config ("bfloat16")."""
+        if isinstance(dtype, str):
+            return cls(dtype)
+        for member, value in _TORCH.items():
+            if value == dtype:
+                return member
+        raise ValueError(f"{dtype} is not a 16-bit type of this format ({', '.join(d.value for d in cls)})")
+
+    @classmethod
+    def from_code(cls, code: int) -> DType:
+        for member, value in _CODES.items():
+            if value == code:
+                return member
+        raise ValueError(f"dtype code {code}")
+
+
+_TORCH = {DType.bfloat16: torch.bfloat16, DType.float16: torch.float16, DType.int16: torch.int16}
+_CODES = {DType.bfloat16: 1, DType.float16: 2, DType.int16: 3}
+_SHIPPED = frozenset(d.value for d in DType if d.shipped)
 
 
 class Kind(str, Enum):
@@ -132,7 +178,7 @@ class TensorSpec:
 
     def check(self) -> None:
         _require(0 < len(self.name) <= 1024, f"tensor name of {len(self.name)} characters")
-        _require(self.dtype in DTYPE_NAMES, f"tensor {self.name!r}: dtype {self.dtype!r}")
+        _require(self.dtype in _SHIPPED, f"tensor {self.name!r}: dtype {self.dtype!r}")
         size = 1
         for dim in self.shape:  # each factor bounded, so the product never grows past the bound
             _require(0 <= dim <= MAX_ELEMENTS, f"tensor {self.name!r}: shape {self.shape}")
@@ -225,7 +271,7 @@ class Run:
         """Per rank, per payload: (elements, dtype)."""
         tensors = self.manifest.tensors
         return tuple(
-            tuple((sum(s.numel for s in p), DTYPE_NAMES[tensors[p[0].tensor].dtype]) for p in layout)
+            tuple((sum(s.numel for s in p), DType(tensors[p[0].tensor].dtype).torch) for p in layout)
             for layout in self.manifest.ranks
         )
 
@@ -300,6 +346,22 @@ class Part:
     entries: tuple[PayloadEntry, ...]
     probe: tuple[float, ...] | None
     payloads: tuple[memoryview, ...]
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A committed part as its commit marker describes it: what a reader plans with."""
+
+    step: int
+    kind: Kind
+    prev_step: int | None  # None for a base
+    size: int  # bytes of its blob: what fetching it costs
+    bridge: bool = False  # the delta written beside a base
+    sha256: str = ""  # of its blob, from the marker: what the fetched bytes are checked against
+
+    @property
+    def marker(self) -> CommitMarker:
+        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step)
 
 
 @dataclass(frozen=True)
@@ -461,6 +523,36 @@ def decode_blob(blob: bytes | memoryview) -> Part:
     return Part(header, head.entries, probe, tuple(payloads))
 
 
+def check_placed(header: PartHeader, step: int, rank: int, world_size: int) -> PartHeader:
+    """`header`, if it belongs where it was found: a part copied to another step, rank or world size
+    is damage, not that part."""
+    if (header.step, header.rank, header.world_size) != (step, rank, world_size):
+        raise FormatError(f"holds step {header.step} rank {header.rank} of {header.world_size}")
+    return header
+
+
+def parse_part(blob: bytes | memoryview, ref: PartRef, rank: int, run: Run) -> Part:
+    """The one parser of a fetched part (its bytes already checked against `ref`'s marker): the
+    blob's own rules, where it was found, what its marker says it is, the run that owns the prefix
+    (a part of another run is a `ChainError`), and the run's layout for `rank`."""
+    part = decode_blob(blob)
+    header = check_placed(part.header, ref.step, rank, run.world_size)
+    if (header.kind, header.prev_step) != (ref.kind, ref.prev_step):
+        raise FormatError("its header and its commit marker disagree on what it is")
+    if header.manifest != run.sha256:
+        raise ChainError(
+            f"is a part of another run (its manifest {header.manifest[:12]}..., the prefix's "
+            f"{run.sha256[:12]}..., run {run.run_id}): a foreign part"
+        )
+    layout = run.payloads[rank]
+    if len(part.entries) != len(layout):
+        raise FormatError(f"has {len(part.entries)} payloads, the run's layout {len(layout)}")
+    for entry, (numel, _) in zip(part.entries, layout, strict=True):
+        if entry.changed > numel:
+            raise FormatError(f"says {entry.changed} of a payload's {numel} elements changed")
+    return part
+
+
 # ----------------------------------------------------------------------------- commit and run
 
 
@@ -472,12 +564,12 @@ def decode_commit(marker: bytes) -> CommitMarker:
     return records.loads(marker, CommitMarker, what="commit marker", max_bytes=MAX_MARKER_BYTES)
 
 
-def verify_blob(blob: bytes, marker: CommitMarker, where: str) -> None:
+def verify_blob(blob: bytes, marker: CommitMarker) -> None:
     """Check a blob against its commit marker."""
     if len(blob) != marker.size:
-        raise FormatError(f"{where}: object is {len(blob)} bytes, its commit says {marker.size} (truncated?)")
+        raise FormatError(f"object is {len(blob)} bytes, its commit says {marker.size} (truncated?)")
     if hashlib.sha256(blob).hexdigest() != marker.sha256:
-        raise ChecksumError(f"{where}: SHA-256 of the object does not match its commit marker")
+        raise ChecksumError("SHA-256 of the object does not match its commit marker")
 
 
 def encode_manifest(manifest: RunManifest) -> bytes:

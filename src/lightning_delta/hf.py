@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .codec import CodecOptions
-from .publisher import Backlog, DeltaPublisher, PublisherSettings, step_metrics
+from .publisher import DeltaPublisher, PublisherSettings, step_metrics
 
 __all__ = ["DeltaTrainerCallback"]
 
@@ -28,8 +27,8 @@ class DeltaTrainerCallback(TrainerCallback):
 
     Args:
         store: fsspec URL of the chain (a local directory works).
-        base_every, dtype, storage_options, codec, backlog, max_pending, keep_bases: as for
-            `DeltaPublisher`.
+        settings: schedule, dtype, codec, backlog and retention (`PublisherSettings`).
+        storage_options: passed to fsspec (endpoint, credentials, retries).
         run_id: the run to continue.  Without it, a fresh fit claims the prefix, and a fit resumed
             from a checkpoint (`global_step > 0` at the start) continues the run that owns it.
         probe: called with the model after each optimizer step, on every process; its tensor (the
@@ -43,20 +42,16 @@ class DeltaTrainerCallback(TrainerCallback):
     def __init__(
         self,
         store: str,
-        base_every: int = 25,
-        dtype: torch.dtype | str = torch.bfloat16,
+        settings: PublisherSettings | None = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        codec: CodecOptions | None = None,
-        backlog: Backlog = Backlog.BLOCK,
-        max_pending: int = 2,
-        keep_bases: int | None = None,
         run_id: str | None = None,
         probe: Callable[[nn.Module], torch.Tensor] | None = None,
     ) -> None:
-        self.settings = PublisherSettings(
-            store, base_every, dtype, storage_options, codec, backlog, max_pending, keep_bases
-        )
+        if not store:
+            raise ValueError("store must be a URL or a local path")
+        self.store, self.settings = store, settings or PublisherSettings()
+        self.storage_options = dict(storage_options or {})
         self.run_id, self.probe = run_id, probe
         self.publisher: DeltaPublisher | None = None
         self.metrics: dict[str, float] = {}  # the last publish's, for the next `on_log`
@@ -71,9 +66,11 @@ class DeltaTrainerCallback(TrainerCallback):
         if run_id is None and state.global_step > 0:  # resumed from a checkpoint: continue the prefix's run
             from .store import Store
 
-            manifest = Store(self.settings.store, self.settings.storage_options).manifest()
+            manifest = Store(self.store, self.storage_options).manifest()
             run_id = manifest.run_id if manifest else None
-        self.publisher = self.settings.publisher(model, run_id=run_id)
+        self.publisher = DeltaPublisher(
+            self.store, model, self.settings, storage_options=self.storage_options, run_id=run_id
+        )
         self.run_id = self.publisher.run_id
         # A resumed fit publishes only past what the store holds (a crash may have published more).
         self._last_step = max(self.publisher.last_step, state.global_step)

@@ -1,79 +1,73 @@
-"""The rollout side: rebuild a published step bit for bit, verify it, and only then use it.
+"""The rollout side: rebuild a published step bit for bit, verify it, and only then write it.
 
-For each rank of the step, the loader plans the cheapest path from the state it holds (or from a
-base) by the sizes in commit markers (`paths.cheapest_path`), fetches only those parts, and decodes
-forward.  Every object is checked against its commit marker's SHA-256; every part against the run
-manifest's digest (a part of another run is never ours); every payload against the trainer's
-value checksum (incrementally for intermediate steps, in full for the step returned).  Any
-mismatch raises and leaves the loader's state, and any module, as it was: held steps are never
-written to, and a step is decoded only into buffers no held step uses.
+A loader holds one state, in a sink: its own copy of every tensor (what `state_dict` hands out
+copies of), or, once `apply_to` has bound a module, the module itself, so that no copy of the
+model is kept beside it.  A step is fetched along the cheapest path from the step held
+(`reader.ChainReader`), decoded into a patch of the held state that reads only the old values at
+the changed positions (`patch.decode_rank`), verified with the trainer's value checksums (the
+incremental check of every payload, and at `full_check`'s cadence a rehash of the whole held
+state), agreed across a replica, and only then written.  Any failure before the write leaves the
+held state, and any module, as it was.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import codec
 from . import format as fmt
-from .checksum import checksum, checksum_update
-from .errors import (
-    ChainError,
-    ChecksumError,
-    DeltaError,
-    FormatError,
-    ModelMismatchError,
-    SnapshotNotFoundError,
-)
-from .follow import FollowedStep, follow
-from .paths import cheapest_path
-from .replica import agree, exchange
-from .shards import assemble, named_tensors
+from . import patch as patches
+from .errors import ChecksumError, DeltaError, FormatError, SnapshotNotFoundError
+from .follow import FollowedStep, FollowSettings, follow
+from .patch import LoadReport, RankPatch, RankState, StepPatch
+from .reader import ChainReader
+from .records import enum_member
+from .replica import exchange, exchange_bytes, group_device
+from .sinks import HeldCopies, ModuleSink, Sink
 from .store import Store, as_store
 
-__all__ = ["DeltaLoader", "LoadReport", "copy_into"]
+__all__ = ["DeltaLoader", "FullCheck", "LoadReport", "LoaderSettings"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What the last `state_dict` / `apply_to` call did."""
+class FullCheck(str, Enum):
+    """When the loader rehashes its whole held state against the trainer's checksums.
 
-    step: int
-    kind: fmt.Kind  # of the part rank 0 rebuilt the step with (its bridge is a delta)
-    parts_read: int  # part objects fetched; 0 when the step was already held
-    bytes_read: int  # every object read from the store for it: markers, manifest, parts
-    tensors: int  # full tensors rebuilt and verified
-    seconds: float  # fetch, decode and verification
-    probe: tuple[float, ...] | None = None  # the trainer's probe log-probs at this step, if published
+    Every step is verified incrementally (its changes, from the old values it reads); that cannot
+    see a value changed behind the loader's back where the step changes nothing.  The full check
+    reads every held value (docs/RELIABILITY.md says exactly what each check proves).
+    """
 
-    def __repr__(self) -> str:  # the probe's values would drown the rest
-        probe = "None" if self.probe is None else f"<{len(self.probe)} log-probs>"
-        return (
-            f"LoadReport(step={self.step}, kind={self.kind.value}, parts_read={self.parts_read}, "
-            f"bytes_read={self.bytes_read}, tensors={self.tensors}, seconds={self.seconds:.3f}, probe={probe})"
-        )
+    BASE_STEPS = "base_steps"  # before writing a step the trainer published a base at
+    EVERY_STEP = "every_step"
+    ON_DEMAND = "on_demand"  # only when `DeltaLoader.verify` is called
 
 
-@dataclass(frozen=True)
-class _Payload:
-    bits: Tensor  # the payload's reconstructed elements, 1-D
-    checksum: int
+@dataclass
+class LoaderSettings:
+    """A loader's options (Hydra's `loader` group is this dataclass)."""
 
+    device: str = "cpu"
+    """Where steps are decoded and verified, and where the loader's copies live; a module bound by
+    `apply_to` keeps its own device ("cuda" is the current CUDA device, fixed at construction)."""
+    full_check: FullCheck = FullCheck.BASE_STEPS
+    """The cadence of the full rehash of the held state."""
+    progress: bool = False
+    """A progress bar while a step is fetched from a base (first load, re-sync)."""
 
-@dataclass(frozen=True)
-class _RankState:
-    header: fmt.PartHeader  # of the part it was rebuilt with last
-    probe: tuple[float, ...] | None
-    payloads: list[_Payload]
+    def __post_init__(self) -> None:
+        self.full_check = enum_member(FullCheck, self.full_check)
 
 
 class DeltaLoader:
@@ -81,99 +75,61 @@ class DeltaLoader:
 
     Args:
         store: fsspec URL (a local path works) or a `Store`.
-        device: where reconstruction happens and where returned tensors live: the staging
-            buffers.  On the model's device, a swap is a device-local copy.
-        process_group: the workers of one replica.  Each fetches a disjoint share of the
-            objects and broadcasts it to the others (see `lightning_delta.replica`); all of them
+        settings: device, full-check cadence, progress bars.
+        storage_options: passed to fsspec with a URL.
+        process_group: the workers of one replica.  Each fetches and decodes a disjoint share of
+            the step and sends the others its patches (see `lightning_delta.replica`); all of them
             must then call `state_dict`, `apply_to` and `follow` together, for the same steps.
-        progress: show a progress bar while a step is fetched from a base (first load, re-sync).
-
-    It holds two copies of each rebuilt shard: the verified step, and the buffers of the step it
-    replaced, which the next one is decoded into.  Returned tensors are copies of neither.
     """
 
     def __init__(
         self,
         store: str | Store,
+        settings: LoaderSettings | None = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        device: str | torch.device = "cpu",
         process_group: dist.ProcessGroup | None = None,
-        progress: bool = False,
     ) -> None:
+        self.settings = settings or LoaderSettings()
         self.store = as_store(store, storage_options)
-        self.device = _usable(torch.device(device))
+        self.device = _resolve(torch.device(self.settings.device))
         self.group = process_group
-        self.progress = progress
-        self._states: dict[tuple[int, int], _RankState] = {}  # (rank, world) -> last verified
-        # (rank, world) -> the buffers of the state last replaced, which nothing references any more
-        # (`_assemble` copies): the next step decodes into them, since on the CPU a fresh buffer's
-        # page faults cost as much as the decode itself.
-        self._spare: dict[tuple[int, int], list[Tensor]] = {}
-        self._fetched = 0  # parts read by the current call
-        self._complete: set[int] = set()  # steps seen complete
+        self._group_device = group_device(process_group, self.device) if process_group is not None else None
+        self._reader = ChainReader(self.store)
+        self._sink: Sink | None = None
+        self._held: list[RankState] | None = None  # per trainer rank; its values are in the sink
+        self._generation = 0  # advances with every write, so a step decoded before it is never written
+        self._lock = threading.Lock()  # guards the held state; decoding only reads it
         self.last_report: LoadReport | None = None
 
-    def steps(self, after: int | None = None) -> list[int]:
-        """Steps whose every rank part is committed, ascending; with `after`, only later ones.
+    # ------------------------------------------------------------------ public
 
-        Parts are never rewritten, so a step seen complete stays complete until it is deleted:
-        a poll lists the step folders and looks into only those not yet seen complete.  With
-        `after` it lists only the blocks from `after`'s on (see `Store.published_steps`).
-        """
-        listed = self.store.published_steps(after)
-        manifest = self.store.manifest()
-        if manifest is None:
-            if listed:
-                raise FormatError(
-                    f"{self.store.url} holds steps but no {fmt.RUN_MANIFEST}: not a {fmt.PART_FORMAT} chain"
-                )
-            return []
-        if after is None:  # a full listing: steps deleted by retention drop out
-            self._complete &= set(listed)
-        for step in listed:
-            if step not in self._complete and self.store.is_complete(step, manifest.world_size):
-                self._complete.add(step)
-        return [s for s in listed if s in self._complete]
+    def steps(self, after: int | None = None) -> list[int]:
+        """Steps whose every rank part is committed, ascending; with `after`, only later ones."""
+        return self._reader.steps(after)
+
+    @property
+    def held_step(self) -> int | None:
+        """The step the held state is at (the bound module's, or the loader's copies'), if any."""
+        held = self._held
+        return held[0].header.step if held else None
+
+    @property
+    def holds_module(self) -> bool:
+        """Whether a module bound by `apply_to` is the held state."""
+        return isinstance(self._sink, ModuleSink)
 
     def state_dict(self, step: int | None = None) -> tuple[int, dict[str, Tensor]]:
-        """(step, full tensors by name) of a complete step, `None` for the latest one, verified."""
-        if step is None:
-            steps = self.steps()
-            step = steps[-1] if steps else -1
-            if self.group is not None:  # every worker of the replica takes group rank 0's newest
-                step = agree(step, self.group)
-            if step < 0:
-                raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
-        started, read_before, self._fetched = time.perf_counter(), self.store.bytes_read, 0
-        run = self.store.manifest()
-        if run is None or not (step in self._complete or self.store.is_complete(step, run.world_size)):
-            raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
-        world = run.world_size
-        try:
-            states = self._rebuild(step, world, from_held=True)
-        except DeltaError as err:
-            if not any(w == world for _, w in self._states):
-                raise
-            # The cheap path from the step held crosses damage; a base may still rebuild it.
-            log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
-            states = self._rebuild(step, world, from_held=False)
-        tensors = _assemble(run, states)
-        for rank, state in enumerate(states):
-            replaced = self._states.get((rank, world))
-            if replaced is not None and replaced is not state:  # the step held already is kept as is
-                self._spare[(rank, world)] = [p.bits for p in replaced.payloads]
-            self._states[(rank, world)] = state
-        self.last_report = LoadReport(
-            step=step,
-            kind=states[0].header.kind,
-            parts_read=self._fetched,
-            bytes_read=self.store.bytes_read - read_before,
-            tensors=len(tensors),
-            seconds=time.perf_counter() - started,
-            probe=states[0].probe,
-        )
-        return step, tensors
+        """(step, full tensors by name) of a complete step, `None` for the latest one, verified.
+
+        The tensors are copies.  Without a bound module the loader's own copies move to the step;
+        with one, the module stays where it is and the copies are the module's plus the patch.
+        """
+        prepared = self.prepare(self._resolve_step(step))
+        if self.holds_module:
+            return prepared.step, self.tensors_of(prepared)
+        self.write(prepared)
+        return prepared.step, self.tensors_of(prepared)
 
     def apply_to(
         self,
@@ -183,268 +139,288 @@ class DeltaLoader:
         rename: Callable[[str], str | None] | None = None,
         after: Callable[[nn.Module], None] | None = None,
     ) -> int:
-        """Copy a verified step into `module`'s parameters and buffers in place; returns the step.
+        """Write a verified step into `module`'s parameters and buffers in place; returns the step.
 
-        `rename` maps a published name to the module's (None drops the tensor); `after` runs
-        once the copy is done (an engine's post-load step).  Nothing is copied unless every name
-        and shape matches.
+        The module becomes the held state: later steps are decoded against it, only their changes
+        are written, and the loader keeps no copy of the model.  `rename` maps a published name to
+        the module's (None drops the tensor); `after` runs once the write is done (an engine's
+        post-load step).  Nothing is written unless every name, shape and checksum fits.
         """
-        step, tensors = self.state_dict(step)
-        copy_into(module, tensors, step, rename=rename)
+        prepared = self.prepare(self._resolve_step(step))
+        self.write(prepared, module, rename=rename)
         if after is not None:
             after(module)
-        return step
+        return prepared.step
 
-    def follow(
-        self,
-        *,
-        poll_seconds: float = 1.0,
-        prefetch: int = 1,
-        max_staleness: int | None = None,
-        catch_up: bool = False,
-        jump: bool = True,
-        timeout: float | None = None,
-    ) -> Iterator[FollowedStep]:
+    def verify(self) -> None:
+        """Rehash the whole held state against the trainer's checksums now (the full check);
+        `ChecksumError` if it differs, and the next step is then rebuilt from a base."""
+        with self._lock:
+            if self._held is None or self._sink is None:
+                raise SnapshotNotFoundError("the loader holds no step to verify")
+            self._full_check(self.store.run(), self._held, self._sink)
+
+    def follow(self, settings: FollowSettings | None = None) -> Iterator[FollowedStep]:
         """Watch the store and yield each newer complete step, verified, as a `FollowedStep`.
 
-        The next step is fetched and rebuilt in the background while the caller works on the
-        current one (`prefetch` steps at most).  A follower that fell behind skips to the newest
-        step; one whose chain broke waits for the next step that rebuilds.  `max_staleness` logs
-        a warning when a step is more than that many published steps behind as it is handed out;
-        with `catch_up` such a step is dropped and the follower waits for the newest one instead.
-        `jump=False` hands out every complete step in order instead (a replay, for evaluation).
-        `timeout` ends the iteration after that many seconds without a new step.  While
-        following, the loader's other methods must not be called from another thread.  With a
-        `process_group`, every worker of the replica follows, group rank 0 picks the steps, and
-        the iteration ends for all of them when it ends for group rank 0.
+        The next step is fetched, decoded and verified in the background while the caller works on
+        the current one; `FollowedStep.apply_to(module)` then only writes it.  `FollowSettings`
+        says how to poll, jump, replay and catch up.  While following, the loader's other methods
+        must not be called.  With a `process_group`, every worker of the replica follows and takes
+        the same steps; the iteration ends for all of them when it ends for any.
         """
-        return follow(
-            self,
-            poll_seconds=poll_seconds,
-            prefetch=prefetch,
-            max_staleness=max_staleness,
-            catch_up=catch_up,
-            jump=jump,
-            timeout=timeout,
-        )
+        return follow(self, settings or FollowSettings())
 
-    # ------------------------------------------------------------------ reconstruction
-
-    def _rebuild(self, step: int, world: int, from_held: bool) -> list[_RankState]:
-        chains = self._fetch(step, world, from_held)
-        return [self._decode(step, rank, world, chain) for rank, chain in enumerate(chains)]
-
-    def _fetch(self, step: int, world: int, from_held: bool) -> list[list[fmt.Part]]:
-        """Per rank, the parts that lead from what is held (or a base) to `step`, newest first."""
+    def decide(self, value: int | BaseException) -> list[int]:
+        """Every worker's `value`, by group rank (this one's alone without a group), or the error a
+        worker met instead: how a replica's workers take the same decision."""
         if self.group is None:
-            ours = range(world)
-        else:  # worker i of n fetches the parts of trainer ranks i, i + n, i + 2n, ...
-            ours = range(dist.get_rank(self.group), world, dist.get_world_size(self.group))
-        bar = None
-        if self.progress and not any(w == world for _, w in self._states):  # from a base
-            from tqdm.auto import tqdm
+            if isinstance(value, BaseException):
+                raise value
+            return [value]
+        assert self._group_device is not None
+        mine = value if isinstance(value, BaseException) else str(value).encode()
+        return [int(v) for v in exchange_bytes(mine, self.group, self._group_device)]
 
-            bar = tqdm(total=len(ours), desc=f"step {step}", unit="part", leave=False)
+    # ------------------------------------------------------------------ prepare: fetch, decode, verify
+
+    def _resolve_step(self, step: int | None) -> int:
+        if step is not None:
+            return step
+        newest: int | BaseException
         try:
-            if self.group is None:
-                return [[part for _, part in self._walk(step, rank, world, from_held, bar)] for rank in ours]
-            try:
-                walked = {rank: self._walk(step, rank, world, from_held, bar) for rank in ours}
-                mine: list[bytes] | BaseException = [len(c).to_bytes(8, "little") for c in walked.values()]
-                mine += [blob for chain in walked.values() for blob, _ in chain]
-            except Exception as err:  # shared with the group, so no worker waits in a broadcast
-                mine = err
-            received = _unpack_shares(exchange(mine, self.group), world)
-            return [
-                [part for _, part in walked[rank]] if rank in walked else self._parse(step, rank, world, blobs)
-                for rank, blobs in enumerate(received)
-            ]
-        finally:
-            if bar is not None:
-                bar.close()
+            steps = self._reader.steps()
+            newest = steps[-1] if steps else -1
+        except DeltaError as err:
+            newest = err
+        newest = self.decide(newest)[0]  # every worker of a replica takes group rank 0's newest
+        if newest < 0:
+            raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
+        return newest
 
-    def _walk(self, step: int, rank: int, world: int, from_held: bool, bar: Any = None) -> list[tuple[bytes, fmt.Part]]:
-        """Fetch the cheapest path from the state held (or a base) to `step`: markers first, to
-        plan, then only the blobs on the path."""
-        held = self._states.get((rank, world)) if from_held else None
-        path = cheapest_path(step, held.header.step if held else None, lambda s: self.store.part_refs(s, rank, world))
-        chain = []
-        for ref in path:
-            blob = self.store.read_blob(ref, rank, world)
-            chain.append((blob, self._part(self.store.parse_part(blob, ref, rank, world), rank, world)))
-            self._fetched += 1
-        if bar is not None:
-            bar.update(1)
-        return chain
-
-    def _parse(self, step: int, rank: int, world: int, blobs: list[bytes]) -> list[fmt.Part]:
-        """Parts from blobs another replica worker fetched, each checked to be where the chain
-        says it is (newest first, from `step` along `prev_step`)."""
-        parts, at = [], step
-        for blob in blobs:
-            try:
-                part = fmt.decode_blob(blob)
-            except FormatError as err:
-                raise FormatError(f"{self.store.url}/{fmt.blob_path(at, rank, world)}: {err}") from None
-            header = part.header
-            if (header.step, header.rank, header.world_size) != (at, rank, world):
-                raise FormatError(f"a replica worker sent step {header.step} rank {header.rank} for {at} rank {rank}")
-            parts.append(self._part(part, rank, world))
-            if header.kind == fmt.Kind.BASE:
-                break
-            assert header.prev_step is not None
-            at = header.prev_step
-        return parts
-
-    def _part(self, part: fmt.Part, rank: int, world: int) -> fmt.Part:
-        """`part`, if it belongs to the run that owns the prefix and fits its layout."""
-        run = self.store.manifest()
-        assert run is not None  # no step is complete without one
-        header = part.header
-        where = f"{self.store.url}/{fmt.blob_path(header.step, rank, world)}"
-        if header.manifest != run.sha256:
-            raise ChainError(
-                f"{where} is a part of another run (its manifest {header.manifest[:12]}..., the prefix's "
-                f"{run.sha256[:12]}..., run {run.run_id}): a foreign part"
-            )
-        if len(part.entries) != len(run.payloads[rank]):
-            expected = len(run.payloads[rank])
-            raise FormatError(f"{where} has {len(part.entries)} payloads, the run's layout {expected}")
-        for entry, (numel, _) in zip(part.entries, run.payloads[rank], strict=True):
-            if entry.changed > numel:
-                raise FormatError(f"{where} says {entry.changed} of a payload's {numel} elements changed")
-        return part
-
-    def _decode(self, step: int, rank: int, world: int, parts: list[fmt.Part]) -> _RankState:
-        """Apply `parts` (newest first, linked by `prev_step` and all of this run) to the held
-        state or from their base, verifying every payload."""
-        held = self._states.get((rank, world))
-        state = None
-        if not parts or parts[-1].header.kind == fmt.Kind.DELTA:
-            at = parts[-1].header.prev_step if parts else step
-            if held is None or held.header.step != at:
-                raise ChainError(f"step {step} rank {rank}: the chain does not reach a base or the step held")
-            state = held
-        # Buffers of held steps are never decoded into, whatever the pool holds: held steps are
-        # handed out again without re-verification.
-        taken = {p.bits.data_ptr() for s in self._states.values() for p in s.payloads}
-        spare = [None if b.data_ptr() in taken else b for b in self._spare.pop((rank, world), [])]
-        for i, part in enumerate(reversed(parts)):
-            previous = state
-            state = self._apply(state, part, full_check=i == len(parts) - 1, spare=spare)
-            # An intermediate step of a longer chain is free once the next is built from it.
-            spare = [p.bits for p in previous.payloads] if previous is not None and previous is not held else []
-        assert state is not None
-        return state
-
-    def _apply(
-        self, state: _RankState | None, part: fmt.Part, full_check: bool, spare: list[Tensor | None]
-    ) -> _RankState:
-        header = part.header
-        run = self.store.manifest()
-        assert run is not None
-        where = f"{self.store.url}/{fmt.blob_path(header.step, header.rank, header.world_size)}"
-        payloads = []
-        for i, (entry, data, (numel, dtype)) in enumerate(
-            zip(part.entries, part.payloads, run.payloads[header.rank], strict=True)
-        ):
-            old = state.payloads[i] if header.kind == fmt.Kind.DELTA and state else None
-            out = spare[i] if i < len(spare) else None
-            if out is not None and (out.numel(), out.dtype) != (numel, dtype):
-                out = None
-            try:
-                decoded = codec.decode_change(old.bits if old else None, data, numel=numel, dtype=dtype, out=out)
-            except FormatError as err:
-                raise FormatError(f"{where}: payload {i}: {err}") from None
-            new = decoded.new.to(self.device)
-            change = decoded.change
-            if change is not None and change.index.numel() != entry.changed:
-                raise FormatError(
-                    f"{where}: payload {i} changes {change.index.numel()} elements, header says {entry.changed}"
-                )
-            if change is not None and old is not None and not full_check:
-                value = checksum_update(old.checksum, change.index, change.old, change.new)
-            else:
-                value = checksum(new.view(torch.int16))
-            if value != entry.checksum:
-                tensors = run.manifest.tensors
-                names = [tensors[s.tensor].name for s in run.manifest.ranks[header.rank][i]]
-                raise ChecksumError(
-                    f"{where}: payload {i} ({', '.join(names[:4])}) does not reproduce the trainer's checksum"
-                )
-            payloads.append(_Payload(new, value))
-        return _RankState(header, part.probe, payloads)
-
-
-def _usable(device: torch.device) -> torch.device:
-    """`device`, if this machine has it: a missing GPU is an error now, not at the first load."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} requested, but torch sees no CUDA device here (use device='cpu')")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device} requested, but torch sees {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def copy_into(
-    module: nn.Module,
-    tensors: Mapping[str, Tensor],
-    step: int,
-    *,
-    rename: Callable[[str], str | None] | None = None,
-) -> float:
-    """Copy verified full tensors into `module` in place; nothing is copied unless all fit.
-
-    `rename` maps a published name to the module's (None drops it).  Returns the seconds the
-    copy took: the pause a caller sees when the step was staged in the background.
-    """
-    if rename is not None:
-        renamed = {}
-        for name, tensor in tensors.items():
-            target = rename(name)
-            if target is not None:
-                renamed[target] = tensor
-        tensors = renamed
-    targets = named_tensors(module)
-    missing, unexpected = sorted(targets.keys() - tensors.keys()), sorted(tensors.keys() - targets.keys())
-    wrong = [n for n in targets.keys() & tensors.keys() if targets[n].shape != tensors[n].shape]
-    if missing or unexpected or wrong:
-        raise ModelMismatchError(
-            f"step {step} does not fit {type(module).__name__}: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+    def prepare(self, step: int) -> StepPatch:
+        """Fetch, decode and verify `step` against the held state, writing nothing (a follower's
+        background thread calls this while its caller generates; `write` applies the result)."""
+        with self._lock:
+            held, sink, generation = self._held, self._sink, self._generation
+        started, read_before = time.perf_counter(), self.store.bytes_read
+        if self.group is not None:  # the workers decode shares of one step against one state
+            assert self._group_device is not None
+            mine = json.dumps([s.header.step for s in held] if held else None).encode()
+            if len(set(exchange_bytes(mine, self.group, self._group_device))) > 1:
+                held = None
+        # Decoded where the held state lives: a bound module's device, else the loader's.
+        device = sink.device if isinstance(sink, ModuleSink) else self.device
+        try:
+            ranks, fetched = self._decode(step, held, sink, device)
+        except DeltaError as err:
+            if held is None:
+                raise
+            # The cheap path from the step held crosses damage; a base may still rebuild it.
+            log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
+            ranks, fetched = self._decode(step, None, sink, device)
+        run = self.store.run()
+        report = LoadReport(
+            step=step,
+            kind=ranks[0].state.header.kind,
+            parts_read=fetched,
+            bytes_read=self.store.bytes_read - read_before,
+            tensors=len(run.manifest.tensors),
+            changed=sum(p.changed for rank in ranks for p in rank.payloads),
+            seconds=time.perf_counter() - started,
+            probe=ranks[0].state.probe,
         )
-    started = time.perf_counter()
-    with torch.no_grad():
-        for name, target in targets.items():
-            target.copy_(tensors[name])
-    if any(t.is_cuda for t in targets.values()):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+        self.last_report = report
+        return StepPatch(step, ranks, report, generation)
+
+    def _decode(
+        self, step: int, held: list[RankState] | None, sink: Sink | None, device: torch.device
+    ) -> tuple[list[RankPatch], int]:
+        """Every rank's patch from `held` (None: from a base) to `step`, and the parts this worker
+        fetched; with a group, each worker decodes its share and the others' arrive as patches."""
+        outcome: list[RankPatch] | BaseException
+        fetched = 0
+        try:
+            if not self._reader.is_complete(step):
+                raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
+            run = self.store.run()
+            ours = self._share(run.world_size)
+            bar = self._bar(step, len(ours)) if held is None else None
+            outcome = []
+            try:
+                for rank in ours:
+                    got = self._reader.fetch(step, rank, held[rank].header.step if held else None, bar)
+                    fetched += len(got.parts)
+                    where = f"{self.store.url} rank {rank}"
+                    state = held[rank] if held else None
+                    outcome.append(patches.decode_rank(run, rank, got.parts, state, sink, device, where, got.base_step))
+            finally:
+                if bar is not None:
+                    bar.close()
+            cadence = self.settings.full_check
+            due = cadence == FullCheck.EVERY_STEP or (
+                cadence == FullCheck.BASE_STEPS and any(p.base_step for p in outcome)
+            )
+            if held is not None and sink is not None and due:
+                self._full_check(run, held, sink)
+        except DeltaError as err:
+            outcome = err
+        if self.group is None:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome, fetched
+        return self._share_patches(step, outcome, held, sink, device), fetched
+
+    def _share(self, world: int) -> range:
+        """The trainer ranks this worker fetches and decodes: i, i + n, i + 2n, ... of n workers."""
+        if self.group is None:
+            return range(world)
+        return range(dist.get_rank(self.group), world, dist.get_world_size(self.group))
+
+    def _share_patches(
+        self,
+        step: int,
+        outcome: list[RankPatch] | BaseException,
+        held: list[RankState] | None,
+        sink: Sink | None,
+        device: torch.device,
+    ) -> list[RankPatch]:
+        """Send this worker's patches, receive the others', check those against this worker's own
+        held state, and agree that every worker verified everything before anyone writes."""
+        assert self.group is not None and self._group_device is not None
+        mine = outcome if isinstance(outcome, BaseException) else [t for p in outcome for t in patches.pack(p)]
+        received = exchange(mine, self.group, self._group_device)
+        assert not isinstance(outcome, BaseException)  # `exchange` raised it on every worker
+        run = self.store.run()
+        size, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        ranks = dict(zip(self._share(run.world_size), outcome, strict=True))
+        status: bytes | BaseException = b""
+        try:
+            for src, pieces in enumerate(received):
+                if src == me:
+                    continue
+                shares = range(src, run.world_size, size)
+                for rank, got in zip(shares, patches.unpack(pieces, len(shares), device), strict=True):
+                    header = got.state.header
+                    if (header.step, header.rank) != (step, rank):
+                        raise FormatError(f"worker {src} sent step {header.step} rank {header.rank} for {step} {rank}")
+                    patches.verify_against(run, rank, got, held[rank] if held else None, sink)
+                    ranks[rank] = got
+        except DeltaError as err:
+            status = err
+        exchange_bytes(status, self.group, self._group_device)  # raises on every worker if any refused
+        return [ranks[r] for r in range(run.world_size)]
+
+    def _full_check(self, run: fmt.Run, held: list[RankState], sink: Sink) -> None:
+        for rank, state in enumerate(held):
+            if patches.held_checksums(run, rank, sink) != state.checksums:
+                with self._lock:
+                    if self._held is held:
+                        self._held = None  # the held values are not the trainer's: re-sync from a base
+                raise ChecksumError(
+                    f"the held state of step {state.header.step} no longer matches the trainer's checksums "
+                    f"(rank {rank}): it was changed behind the loader's back; the next step is rebuilt from a base"
+                )
+
+    def _bar(self, step: int, total: int) -> Any:
+        if not self.settings.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=f"step {step}", unit="part", leave=False)
+
+    # ------------------------------------------------------------------ write
+
+    def write(
+        self,
+        prepared: StepPatch,
+        module: nn.Module | None = None,
+        *,
+        rename: Callable[[str], str | None] | None = None,
+    ) -> float:
+        """Write a prepared step into the held state, or into `module`, which becomes the held
+        state; returns the seconds of the write (the pause a follower's caller sees).
+
+        Once a step is written, the same step may still be written into a module that does not hold
+        it yet (the state is copied over): that is how a follower's first step binds a module.
+        """
+        with self._lock:
+            run = self.store.run()
+            current = self._generation == prepared.generation
+            already = self._generation == prepared.generation + 1 and self.held_step == prepared.step
+            if not (current or (already and module is not None)):
+                raise SnapshotNotFoundError(
+                    f"step {prepared.step} was decoded against a state the loader no longer holds; load it again"
+                )
+            bound = isinstance(self._sink, ModuleSink) and self._sink.fits(module, rename)
+            if already and bound:
+                return 0.0  # this module holds the step already
+            sink = self._sink if module is None or bound else ModuleSink(module, run, rename)  # names, shapes
+            started = time.perf_counter()
+            if sink is None:
+                sink = HeldCopies(run, self.device)
+            if sink is self._sink or all(p.whole for p in prepared.ranks):
+                for rank, rank_patch in enumerate(prepared.ranks):
+                    patches.apply(run, rank, rank_patch, sink)
+            else:  # a module that holds nothing of the chain yet: the whole state
+                state = self._copy_held() if already else self._materialize(prepared)
+                for i, spec in enumerate(run.manifest.tensors):
+                    sink.write(i, 0, state.read(i, 0, spec.numel))
+            if isinstance(sink, ModuleSink):
+                for device in {t.device for t in sink.tensors() if t.is_cuda}:
+                    torch.cuda.synchronize(device)
+            self._sink, self._held = sink, [p.state for p in prepared.ranks]
+            if current:
+                self._generation += 1
+            return time.perf_counter() - started
+
+    def tensors_of(self, prepared: StepPatch) -> dict[str, Tensor]:
+        """Copies of every tensor at the prepared step, written or not (while nothing newer was)."""
+        with self._lock:
+            if prepared.tensors is None:
+                if prepared.generation == self._generation:
+                    prepared.tensors = self._materialize(prepared).tensors()
+                elif prepared.generation + 1 == self._generation and self.held_step == prepared.step:
+                    prepared.tensors = self._copy_held().tensors()
+                else:
+                    raise SnapshotNotFoundError(
+                        f"step {prepared.step} is no longer held: take its tensors before the next step"
+                    )
+            return prepared.tensors
+
+    def _copy_held(self) -> HeldCopies:
+        """The held state as the loader's copies: its own (to read, not to keep), or a copy of the
+        bound module's."""
+        if isinstance(self._sink, HeldCopies):
+            return self._sink
+        run = self.store.run()
+        copies = HeldCopies(run, self.device)
+        assert self._sink is not None
+        for i, spec in enumerate(run.manifest.tensors):
+            copies.write(i, 0, self._sink.read(i, 0, spec.numel).to(self.device))
+        return copies
+
+    def _materialize(self, prepared: StepPatch) -> HeldCopies:
+        """A copy of the held state with the prepared patch applied."""
+        run = self.store.run()
+        copies = HeldCopies(run, self.device)
+        if not all(p.whole for p in prepared.ranks):
+            assert self._sink is not None
+            for i, spec in enumerate(run.manifest.tensors):
+                copies.write(i, 0, self._sink.read(i, 0, spec.numel).to(self.device))
+        for rank, rank_patch in enumerate(prepared.ranks):
+            patches.apply(run, rank, rank_patch, copies)
+        return copies
 
 
-def _unpack_shares(received: list[list[bytes]], world: int) -> list[list[bytes]]:
-    """Per trainer rank, its chain, from what each replica worker broadcast: the chain lengths of
-    its ranks (8-byte little-endian each), then their blobs back to back."""
-    chains: list[list[bytes]] = [[] for _ in range(world)]
-    for src, blobs in enumerate(received):
-        ranks = range(src, world, len(received))
-        lengths = [int.from_bytes(b, "little") for b in blobs[: len(ranks)]]
-        rest = iter(blobs[len(ranks) :])
-        for rank, length in zip(ranks, lengths, strict=True):
-            chains[rank] = [next(rest) for _ in range(length)]
-    return chains
-
-
-def _assemble(run: fmt.Run, states: list[_RankState]) -> dict[str, Tensor]:
-    """Full tensors from every rank's payloads, placed as the run manifest's layout says."""
-    tensors = run.manifest.tensors
-    pieces: dict[int, list[tuple[int, Tensor]]] = {}
-    for state, layout in zip(states, run.manifest.ranks, strict=True):
-        for payload, slices in zip(state.payloads, layout, strict=True):
-            at = 0
-            for s in slices:
-                pieces.setdefault(s.tensor, []).append((s.start, payload.bits[at : at + s.numel]))
-                at += s.numel
-    return {
-        tensors[i].name: assemble(tensors[i].name, tensors[i].shape, fmt.DTYPE_NAMES[tensors[i].dtype], pieces[i])
-        for i in sorted(pieces, key=lambda i: tensors[i].name)
-    }
+def _resolve(device: torch.device) -> torch.device:
+    """`device` with its index, if this machine has it: a missing GPU is an error now, and a
+    follower's background thread works on this device, not on its thread's default one."""
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested, but torch sees no CUDA device here (use device='cpu')")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} requested, but torch sees {torch.cuda.device_count()} CUDA devices")
+    return torch.device("cuda", index)

@@ -10,24 +10,11 @@ which commit markers carry, so no payload is fetched to decide.  Pure functions:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from .errors import ChainError
-from .format import Kind
+from .format import Kind, PartRef
 
-__all__ = ["PartRef", "cheapest_path"]
-
-
-@dataclass(frozen=True)
-class PartRef:
-    """A committed part as its commit marker describes it."""
-
-    step: int
-    kind: Kind
-    prev_step: int | None  # None for a base
-    size: int  # bytes of its blob: what fetching it costs
-    bridge: bool = False  # the delta written beside a base
-    sha256: str = ""  # of its blob, from the marker: what the fetched bytes are checked against
+__all__ = ["cheapest_path"]
 
 
 def cheapest_path(target: int, held: int | None, parts_at: Callable[[int], Sequence[PartRef]]) -> list[PartRef]:

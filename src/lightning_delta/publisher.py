@@ -19,15 +19,16 @@ rank never waits for another: not to publish, and not to skip a step when its up
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -38,8 +39,12 @@ from torch import Tensor, nn
 from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_update
-from .errors import PublishError, UnsupportedStrategyError
+from .errors import DeltaError, PublishError, UnsupportedStrategyError
+from .format import DType
 from .merged import is_peft_model, merged_tensors
+from .records import enum_member
+from .replica import exchange_bytes, group_device
+from .retention import collect
 from .shards import OwnedSlice, named_tensors, plan, read_slice
 from .store import Store, as_store
 
@@ -49,8 +54,6 @@ __all__ = [
     "PublishStats",
     "PublisherSettings",
     "UploadStats",
-    "check_schedule",
-    "shipped_dtype",
     "step_metrics",
 ]
 
@@ -59,19 +62,51 @@ log = logging.getLogger(__name__)
 TensorSource = nn.Module | Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]]
 
 
-def shipped_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """`dtype` (a torch dtype or its name, as config files spell it), checked to be shippable."""
-    resolved = fmt.DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else dtype
-    if resolved not in fmt.DTYPE_NAMES.values():
-        raise ValueError(f"dtype must be one of {sorted(fmt.DTYPE_NAMES)}, got {dtype}")
-    return resolved
-
-
 class Backlog(str, Enum):
     """What `publish` does when `max_pending` snapshots are already waiting for upload."""
 
     BLOCK = "block"  # wait for the upload queue (every step is published)
     COALESCE = "coalesce"  # skip this step; the next published one diffs against the last published
+
+
+@dataclass
+class PublisherSettings:
+    """A publisher's options, defined once: `DeltaPublisher`, both callbacks and Hydra's `delta`
+    group take this dataclass (choices may be spelt as their names or values, as config files do)."""
+
+    base_every: int = 25
+    """A full base every this many steps, deltas in between; each base after the first comes with
+    a bridge delta, so followers that are in sync never download a base."""
+    dtype: DType = DType.bfloat16
+    """The 16-bit type shipped; the trainer's masters are never touched."""
+    codec: codec.CodecOptions = field(default_factory=codec.CodecOptions)
+    backlog: Backlog = Backlog.BLOCK
+    """What `publish` does when `max_pending` snapshots already wait for upload."""
+    max_pending: int = 2
+    """Snapshots that may wait for upload before `backlog` applies."""
+    keep_bases: int | None = None
+    """Retention: rank 0 deletes the steps older than the `keep_bases`-th newest complete base
+    after each base it commits (`retention.collect`); None keeps every step."""
+
+    def __post_init__(self) -> None:
+        try:
+            dtype = DType.of(self.dtype) if isinstance(self.dtype, torch.dtype) else enum_member(DType, self.dtype)
+        except ValueError:
+            dtype = DType.int16  # not shipped either
+        if not dtype.shipped:
+            raise ValueError(f"dtype must be one of {[d.value for d in DType if d.shipped]}, got {self.dtype}")
+        options = self.codec
+        if isinstance(options, Mapping):  # a config's nested section
+            options = codec.CodecOptions(**options)
+        self.dtype = dtype
+        self.codec = options
+        self.backlog = enum_member(Backlog, self.backlog)
+        if self.base_every < 1:
+            raise ValueError(f"base_every must be >= 1, got {self.base_every}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.keep_bases is not None and self.keep_bases < 1:
+            raise ValueError(f"keep_bases must be >= 1 or None, got {self.keep_bases}")
 
 
 @dataclass(frozen=True)
@@ -165,12 +200,18 @@ class _HostSide:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def stream(self, ready: torch.cuda.Event | None) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def stream(self, ready: torch.cuda.Event | None) -> Iterator[None]:
+        """On the worker thread: the model's device (a thread starts on device 0) and the side
+        stream, once the snapshot's kernels have run."""
         if self._stream is None:
-            return contextlib.nullcontext()
-        if ready is not None:
-            self._stream.wait_event(ready)
-        return torch.cuda.stream(self._stream)
+            yield
+            return
+        with torch.cuda.device(self.device):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            with torch.cuda.stream(self._stream):
+                yield
 
     def copy(self, packed: codec.Packed) -> codec.Packed:
         if self._stream is None:
@@ -195,56 +236,50 @@ class DeltaPublisher:
             the merged weights under the base model's names), a mapping of name to tensor, or a
             callable returning one; DTensor parameters are read shard by shard.
             Its names and shapes are the run's layout, fixed at construction.
-        base_every: a full base every this many steps, deltas in between.  Each base after the
-            first comes with a bridge delta, so followers that are in sync never download a base.
-        dtype: the 16-bit dtype that is shipped; the trainer's masters are never touched.
+        settings: schedule, dtype, codec, backlog and retention (`PublisherSettings`).
+        storage_options: passed to fsspec with a URL.
         process_group: the ranks that share the upload; default the world group if initialised.
         run_id: continue this run (resume): the prefix's run manifest must name it.  Without it
             a fresh run claims the prefix, and a prefix another run owns is refused.
-        backlog: policy when `max_pending` snapshots already wait for upload.
-        keep_bases: if set, rank 0 deletes the steps older than the `keep_bases`-th newest
-            complete base after each base it commits (see `Store.collect`).
 
-    Construction is collective: every rank of `process_group` builds its publisher together.
+    Construction is collective: every rank of `process_group` builds its publisher together, and a
+    failure on any rank (a store it cannot write, a layout that does not fit) is raised on all of
+    them as the same `DeltaError`.
     """
 
     def __init__(
         self,
         store: str | Store,
         tensors: TensorSource,
+        settings: PublisherSettings | None = None,
         *,
-        base_every: int = 25,
-        dtype: torch.dtype | str = torch.bfloat16,
-        process_group: dist.ProcessGroup | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        codec_options: codec.CodecOptions | None = None,
-        max_pending: int = 2,
-        backlog: Backlog = Backlog.BLOCK,
+        process_group: dist.ProcessGroup | None = None,
         run_id: str | None = None,
-        keep_bases: int | None = None,
     ) -> None:
-        check_schedule(base_every, max_pending, keep_bases)
+        self.settings = settings = settings or PublisherSettings()
+        if run_id is not None:
+            fmt.check_run_id(run_id)  # on every rank, before any collective
         self.store = as_store(store, storage_options)
-        self.base_every, self.dtype, self.backlog = base_every, shipped_dtype(dtype), Backlog(backlog)
-        self.keep_bases = keep_bases
-        self.codec_options = codec_options or codec.CodecOptions()
         self._source = _as_source(tensors)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        live = self._source()
-        self._specs = _grouped(plan(dict(live), self.rank, self.world_size), live)
+        layout: _RankLayout | BaseException
+        try:
+            live = self._source()
+            self._specs = _grouped(plan(dict(live), self.rank, self.world_size), live)
+            layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
+        except (UnsupportedStrategyError, ValueError) as err:
+            layout = err
+        self.run_id, self._manifest = _claim(self.store, run_id, layout, settings.dtype, self.rank, process_group)
         self._shapes = {s.name: s.shape for group in self._specs for s in group}
         self._numel = sum(s.numel for group in self._specs for s in group)
-        layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
-        self.run_id, self._manifest = _claim(
-            self.store, run_id, layout, _dtype_name(self.dtype), self.rank, self.world_size, process_group
-        )
         self._cache: list[_Group] | None = None
         self._host: _HostSide | None = None
         self._checksums: list[int] = []  # encode thread: each payload's checksum as last packed
-        self._pool = ThreadPoolExecutor(self.codec_options.threads, thread_name_prefix="delta-compress")
+        self._pool = ThreadPoolExecutor(settings.codec.threads, thread_name_prefix="delta-compress")
         # A resumed run publishes only past what the store holds: a step number is never reused,
         # not even one that retention deleted (a loader may still hold that step).
         published = self.store.published_steps() if run_id is not None else []
@@ -253,7 +288,8 @@ class DeltaPublisher:
         self.skipped = 0
         self.last_upload: UploadStats | None = None
         self._error: BaseException | None = None
-        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self._error_lock = threading.Lock()  # two worker threads: the first failure is the one raised
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.max_pending)
         self._encoded: queue.Queue[_Encoded | None] = queue.Queue(maxsize=1)
         self._workers = [
             threading.Thread(target=self._encode_loop, name="delta-encode", daemon=True),
@@ -279,7 +315,7 @@ class DeltaPublisher:
             raise ValueError(f"a probe holds at most {fmt.MAX_PROBE} values, got {len(probed)}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"steps must increase: {step} after {self._last_step} (published, or in the store)")
-        if self.backlog == Backlog.COALESCE and self._jobs.full():
+        if self.settings.backlog == Backlog.COALESCE and self._jobs.full():
             self.skipped += 1
             return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
@@ -293,7 +329,7 @@ class DeltaPublisher:
         rebase = self._cache is None  # the first publish, or after a failure: no bridge
         if rebase:
             self._last_base = None
-        is_base = self._last_base is None or step - self._last_base >= self.base_every
+        is_base = self._last_base is None or step - self._last_base >= self.settings.base_every
         if self._host is None:
             devices = [t.device for t in tensors.values()]
             self._host = _HostSide(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
@@ -339,25 +375,44 @@ class DeltaPublisher:
         """Diff every group against the cache on its device and bring the cache up to date.
 
         A delta (and a base's bridge) writes only the changed elements into the cache; a base
-        also hands the worker a device-side copy of the group to pack.
+        also hands the worker a device-side copy of the group to pack.  On an accelerator the
+        calling thread waits for the device once per call: every group's count of changes is
+        taken first, in one transfer, and each group's positions then without a sync.
         """
-        pieces, changed_total = [], 0
-        for group in cache:
-            parts = [read_slice(tensors[spec.name], spec).to(self.dtype) for spec in group.specs]
+        dtype = self.settings.dtype.torch
+
+        def values(group: _Group) -> tuple[Tensor, bool]:
+            parts = [read_slice(tensors[spec.name], spec).to(dtype) for spec in group.specs]
             # A lone slice may be a view of the live weights (already `dtype`); a concatenation is ours.
-            values, shared = (parts[0], True) if len(parts) == 1 else (torch.cat(parts), False)
-            if is_base and not bridge:
-                group.bits = values.clone() if shared else values
+            return (parts[0], True) if len(parts) == 1 else (torch.cat(parts), False)
+
+        pieces: list[_Piece] = []
+        if is_base and not bridge:
+            for group in cache:
+                new, shared = values(group)
+                group.bits = new.clone() if shared else new
                 # The worker packs a copy of its own: the next step writes its changes into the cache.
                 pieces.append(_Piece(snapshot=group.bits.clone()))
-                changed_total += values.numel()
-                continue
-            change = codec.diff(group.bits, values, exponents=self.codec_options.conditions(values.device))
-            whole = (values.clone() if shared else values) if codec.may_pack_raw(change) else None
+            return pieces, self._numel
+        masks = [
+            None if group.bits.is_cpu else group.bits.view(torch.int16) != values(group)[0].view(torch.int16)
+            for group in cache
+        ]
+        sums = [mask.sum() for mask in masks if mask is not None]
+        counts = iter(torch.stack([c.to(sums[0].device) for c in sums]).tolist() if sums else [])  # the one sync
+        changed_total = 0
+        for group, mask in zip(cache, masks, strict=True):
+            new, shared = values(group)  # a view, or a cast again: cheaper than holding every group's
+            exponents = self.settings.codec.conditions(new.device)
+            if mask is None:
+                change = codec.diff(group.bits, new, exponents=exponents)
+            else:
+                change = codec.diff_counted(group.bits, new, mask, next(counts), exponents=exponents)
+            whole = (new.clone() if shared else new) if codec.may_pack_raw(change) else None
             group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
             snapshot = group.bits.clone() if is_base else None  # the cache changes at the next step
             pieces.append(_Piece(snapshot=snapshot, change=change, whole=whole))
-            changed_total += values.numel() if is_base else change.index.numel()
+            changed_total += new.numel() if is_base else change.index.numel()
         return pieces, changed_total
 
     def flush(self) -> None:
@@ -380,8 +435,15 @@ class DeltaPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _fail(self, error: BaseException) -> None:
+        """Keep a worker's failure for the trainer thread: the first one, which caused the rest."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+
     def _raise_worker_error(self) -> None:
-        error, self._error = self._error, None
+        with self._error_lock:
+            error, self._error = self._error, None
         if error is not None:
             self._cache = None  # the chain is broken: start over with a base
             raise PublishError(f"uploading to {self.store.url} failed: {error}") from error
@@ -399,7 +461,8 @@ class DeltaPublisher:
                 item: _Encoded | None = self._encode(job)
             except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
                 log.exception("delta encode failed")
-                item, self._error = _FAILED, err
+                item = _FAILED
+                self._fail(err)
             self._encoded.put(item)
 
     def _commit_loop(self) -> None:
@@ -417,7 +480,8 @@ class DeltaPublisher:
                     broken = False
             except Exception as err:  # surfaced on the trainer thread by _raise_worker_error
                 log.exception("delta upload failed")
-                broken, self._error = True, err
+                broken = True
+                self._fail(err)
             finally:
                 self._jobs.task_done()
 
@@ -444,7 +508,7 @@ class DeltaPublisher:
         probe: tuple[float, ...] | None,
     ) -> _Blob:
         """A part's bytes: its payloads compressed a few at a time (zstd releases the GIL)."""
-        payloads = list(self._pool.map(lambda p: codec.serialize(p, self.codec_options), packed))
+        payloads = list(self._pool.map(lambda p: codec.serialize(p, self.settings.codec), packed))
         entries = [fmt.PayloadEntry(len(p), c, v) for p, c, v in zip(payloads, changed, checksums, strict=True)]
         return _Blob(header, fmt.encode_blob(header, entries, payloads, probe))
 
@@ -454,9 +518,10 @@ class DeltaPublisher:
         for blob, bridge in ((item.bridge, True), (item.part, False)):
             if blob is not None and (with_bridge or not bridge):
                 stored += self.store.commit_part(blob.header, blob.data, bridge=bridge)
-        if self.keep_bases and self.rank == 0 and header.kind == fmt.Kind.BASE:
-            self.store.collect(self.keep_bases)  # only once a newer base is complete on every rank
-        dense = self._numel * self.dtype.itemsize
+        keep = self.settings.keep_bases
+        if keep and self.rank == 0 and header.kind == fmt.Kind.BASE:
+            collect(self.store, keep)  # only once a newer base is complete on every rank
+        dense = self._numel * self.settings.dtype.torch.itemsize
         elapsed = (time.perf_counter() - item.started) * 1e3
         self.last_upload = UploadStats(header.step, stored, dense, elapsed)
 
@@ -494,57 +559,6 @@ def _grouped(specs: list[OwnedSlice], tensors: Mapping[str, Tensor]) -> list[lis
         if spec.numel <= _SMALL:
             small.setdefault(tensors[spec.name].device, []).append(spec)
     return large + list(small.values())
-
-
-def check_schedule(base_every: int, max_pending: int, keep_bases: int | None) -> None:
-    """The argument checks shared by the publisher, its settings and the config."""
-    if base_every < 1:
-        raise ValueError(f"base_every must be >= 1, got {base_every}")
-    if max_pending < 1:
-        raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-    if keep_bases is not None and keep_bases < 1:
-        raise ValueError(f"keep_bases must be >= 1 or None, got {keep_bases}")
-
-
-@dataclass(frozen=True)
-class PublisherSettings:
-    """A `DeltaPublisher`'s arguments besides its tensors, checked when given.
-
-    A framework callback holds them from its construction, where a wrong argument should fail,
-    until training starts and the model exists; then `publisher` builds the publisher.
-    """
-
-    store: str
-    base_every: int = 25
-    dtype: torch.dtype | str = torch.bfloat16
-    storage_options: Mapping[str, Any] | None = None
-    codec_options: codec.CodecOptions | None = None
-    backlog: Backlog = Backlog.BLOCK
-    max_pending: int = 2
-    keep_bases: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.store:
-            raise ValueError("store must be a URL or a local path")
-        check_schedule(self.base_every, self.max_pending, self.keep_bases)
-        object.__setattr__(self, "dtype", shipped_dtype(self.dtype))
-        object.__setattr__(self, "backlog", Backlog(self.backlog))
-        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
-
-    def publisher(self, tensors: TensorSource, run_id: str | None = None) -> DeltaPublisher:
-        """The publisher of `tensors` (collective, as its construction is), continuing `run_id` if given."""
-        return DeltaPublisher(
-            self.store,
-            tensors,
-            base_every=self.base_every,
-            dtype=self.dtype,
-            storage_options=self.storage_options,
-            codec_options=self.codec_options,
-            max_pending=self.max_pending,
-            backlog=self.backlog,
-            run_id=run_id,
-            keep_bases=self.keep_bases,
-        )
 
 
 def step_metrics(publisher: DeltaPublisher, stats: PublishStats) -> dict[str, float]:
@@ -605,53 +619,73 @@ def _manifest(run_id: str, layouts: list[_RankLayout], dtype: str) -> fmt.RunMan
 def _claim(
     store: Store,
     run_id: str | None,
-    layout: _RankLayout,
-    dtype: str,
+    layout: _RankLayout | BaseException,
+    dtype: DType,
     rank: int,
-    world_size: int,
     group: dist.ProcessGroup | None,
 ) -> tuple[str, str]:
     """(run id, manifest SHA-256) all ranks publish under, once rank 0 made the prefix this run's.
 
-    Rank 0 gathers every rank's layout and creates the run manifest exclusively (a fresh run), or
-    finds it naming `run_id` with the same layout (a resumed one); anything else is refused on
-    every rank.  Two collectives, at construction only.
+    Every rank's layout (or the error it met reading its tensors) reaches rank 0, which creates the
+    run manifest exclusively (a fresh run), or finds it naming `run_id` with the same layout (a
+    resumed one).  Its outcome reaches every rank, an error as the same `DeltaError` on all of
+    them: no rank is left waiting in a collective.  Two collectives, at construction only.
     """
     collective = group is not None and dist.get_world_size(group) > 1
-    layouts: list[_RankLayout | None] = [None] * world_size if rank == 0 else []
+    device = group_device(group, _training_device()) if collective else torch.device("cpu")
+    mine = layout if isinstance(layout, BaseException) else json.dumps(layout).encode()
     if collective:
-        dist.gather_object(layout, layouts if rank == 0 else None, dst=dist.get_global_rank(group, 0), group=group)
+        assert group is not None
+        gathered = exchange_bytes(mine, group, device)  # every rank raises if any rank's layout failed
+    elif isinstance(mine, BaseException):
+        raise mine
     else:
-        layouts = [layout]
-    outcome = ["", "", ""]  # run id, manifest digest, or the error every rank raises
+        gathered = [mine]
+    outcome: bytes | BaseException = b""
     if rank == 0:
-        wanted = fmt.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex
         try:
-            manifest = _manifest(wanted, [lay for lay in layouts if lay is not None], dtype)
-            manifest.check()
-        except ValueError as err:
-            outcome[2] = f"this model cannot be published as one run: {err}"
-        else:
-            found = store.claim(manifest)
-            outcome[:2] = [wanted, found.sha256]
-            if found.run_id != wanted:
-                outcome[2] = (
-                    f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
-                    f"or pass run_id={found.run_id!r} to continue that run"
-                )
-            elif found.world_size != world_size:
-                outcome[2] = f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {world_size}"
-            elif (found.manifest.tensors, found.manifest.ranks) != (manifest.tensors, manifest.ranks):
-                outcome[2] = (
-                    f"run {wanted} in {store.url} was published with another layout (tensor names, shapes, "
-                    "dtype or sharding differ): a run has one layout; start a new run under a new prefix"
-                )
+            layouts = [
+                [[(name, tuple(shape), start, numel) for name, shape, start, numel in payload] for payload in layout]
+                for layout in map(json.loads, gathered)
+            ]
+            outcome = " ".join(_make_run(store, run_id, layouts, dtype)).encode()
+        except Exception as err:  # a store that cannot be written, a layout that does not fit
+            outcome = err if isinstance(err, DeltaError) else PublishError(f"claiming {store.url} failed: {err}")
     if collective:
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-    if outcome[2]:
-        raise PublishError(outcome[2])
-    return outcome[0], outcome[1]
+        assert group is not None
+        outcome = exchange_bytes(outcome, group, device)[0]
+    elif isinstance(outcome, BaseException):
+        raise outcome
+    assert isinstance(outcome, bytes)
+    wanted, digest = outcome.decode().split(" ")
+    return wanted, digest
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _make_run(store: Store, run_id: str | None, layouts: list[_RankLayout], dtype: DType) -> tuple[str, str]:
+    """Rank 0's half of `_claim`: the run's id and manifest digest, or a `PublishError` naming why
+    this model cannot publish to this prefix."""
+    wanted = run_id if run_id is not None else uuid.uuid4().hex
+    try:
+        manifest = _manifest(wanted, layouts, dtype.value)
+        manifest.check()
+    except ValueError as err:
+        raise PublishError(f"this model cannot be published as one run: {err}") from None
+    found = store.claim(manifest)
+    if found.run_id != wanted:
+        raise PublishError(
+            f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
+            f"or pass run_id={found.run_id!r} to continue that run"
+        )
+    if found.world_size != len(layouts):
+        raise PublishError(f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {len(layouts)}")
+    if (found.manifest.tensors, found.manifest.ranks) != (manifest.tensors, manifest.ranks):
+        raise PublishError(
+            f"run {wanted} in {store.url} was published with another layout (tensor names, shapes, "
+            "dtype or sharding differ): a run has one layout; start a new run under a new prefix"
+        )
+    return wanted, found.sha256
+
+
+def _training_device() -> torch.device:
+    """The calling (training) thread's CUDA device, where an NCCL group's collectives run."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

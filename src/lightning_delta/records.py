@@ -25,9 +25,10 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["MAX_DEPTH", "dumps", "loads"]
+__all__ = ["MAX_DEPTH", "dumps", "enum_member", "loads"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Enum)
 
 MAX_DEPTH = 16
 """Nesting of arrays and objects; every record of the format needs at most 4."""
@@ -166,3 +167,16 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value
+
+
+def enum_member(cls: type[E], value: object) -> E:
+    """`value` as a member of `cls`: the member itself, its value, or its name (config files and
+    Hydra's `instantiate` spell choices as strings, either way); ValueError otherwise."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        if isinstance(value, str) and value in cls.__members__:
+            return cls.__members__[value]
+        raise ValueError(f"{value!r} is not one of {[m.name for m in cls]}") from None

@@ -1,94 +1,118 @@
-"""Several rollout workers of one replica share one download through torch.distributed.
+"""Collectives that never leave a rank waiting: every rank's outcome, or the error one of them met.
 
-The workers of a replica (say the tensor-parallel ranks of one inference engine) need the same
-step.  Rather than each fetching every object, worker `i` of `n` fetches the parts of the trainer
-ranks `r` with `r % n == i` and broadcasts those blobs, as uint8 tensors, to the others; every
-worker then decodes and verifies all of them itself.  The replica's traffic from the store is one
-copy of the step, and the only trust between workers is the group itself: every blob a worker
-receives still has to pass the value checksums.
+A rank that raised before a collective would leave the others waiting in it until the process
+group times out.  So every collective of the library goes through `exchange`: each rank hands in
+its result or the error it met, every rank takes part in every broadcast whatever happened, and
+then every rank raises the first failing rank's error, as the same `DeltaError` type.  The
+workers of a replica (say the tensor-parallel ranks of one inference engine) use it to share one
+download: each decodes a share of a step and sends the others its patches.
 
-All workers must call these functions in the same order (they are collectives).
+All ranks must call these functions in the same order (they are collectives), on `device`: the
+CPU for gloo, the rank's own GPU for NCCL, chosen by the caller (a worker thread's current CUDA
+device is device 0, not the rank's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import errors
 from .errors import DeltaError
 
-__all__ = ["agree", "exchange"]
+__all__ = ["agree", "exchange", "exchange_bytes", "group_device"]
 
-# An error raised by one worker's fetch is raised, as the same type, by every worker.
-_ERRORS: list[type[DeltaError]] = [
-    errors.ChainError,
-    errors.ChecksumError,
-    errors.FormatError,
-    errors.SnapshotNotFoundError,
-    DeltaError,
-]
+_OK, _FAILED = 0, 1
 
 
-def _device(group: dist.ProcessGroup) -> torch.device:
-    """NCCL moves CUDA tensors only; gloo and others take CPU tensors."""
+def group_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where `group`'s collectives run: `device` (a CUDA device with its index) under NCCL, which
+    moves CUDA tensors only; the CPU under gloo and the others."""
     if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"an NCCL group needs the rank's CUDA device with its index, got {device}")
+        return device
     return torch.device("cpu")
 
 
-def agree(value: int, group: dist.ProcessGroup) -> int:
-    """Group rank 0's `value`, on every worker: so that all of them pick the same step."""
-    device = _device(group)
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    return int(tensor.item())
+def exchange(
+    mine: Sequence[Tensor] | BaseException, group: dist.ProcessGroup, device: torch.device
+) -> list[list[Tensor]]:
+    """Every rank's uint8 tensors, by group rank; `mine` is this rank's, or the error it met.
 
-
-def exchange(mine: list[bytes] | BaseException, group: dist.ProcessGroup) -> list[list[bytes]]:
-    """Every worker's fetched blobs, by group rank; `mine` is this worker's, or its fetch error.
-
-    If any worker's fetch failed, every worker raises that error once all broadcasts are done,
-    so no worker is left waiting in a collective.
+    If any rank failed, every rank raises once all broadcasts are done: the failing rank its own
+    error, the others the first failing rank's, as the same `DeltaError` subclass.
     """
-    device, me, size = _device(group), dist.get_rank(group), dist.get_world_size(group)
-    received: list[list[bytes]] = []
-    failure: tuple[int, int, str] | None = None
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    received: list[list[Tensor]] = []
+    failure: tuple[int, str, str] | None = None
     for src in range(size):
+        root = dist.get_global_rank(group, src)
         if src == me:
-            if isinstance(mine, BaseException):
-                kind = next((i for i, cls in enumerate(_ERRORS) if isinstance(mine, cls)), len(_ERRORS) - 1)
-                items, status = [str(mine).encode()], 1 + kind
-            else:
-                items, status = mine, 0
-            meta = torch.tensor([status, len(items), *map(len, items)], dtype=torch.int64, device=device)
-            count = torch.tensor([meta.numel()], dtype=torch.int64, device=device)
+            failed = isinstance(mine, BaseException)
+            items = [_describe(mine)] if isinstance(mine, BaseException) else [t.reshape(-1) for t in mine]
+            meta = torch.tensor([_FAILED if failed else _OK, len(items), *(t.numel() for t in items)], device=device)
+            count = torch.tensor([meta.numel()], device=device)
         else:
             count = torch.empty(1, dtype=torch.int64, device=device)
-        root = dist.get_global_rank(group, src)
         dist.broadcast(count, src=root, group=group)
         if src != me:
             meta = torch.empty(int(count.item()), dtype=torch.int64, device=device)
         dist.broadcast(meta, src=root, group=group)
-        sizes = meta[2:].tolist()
+        values = meta.tolist()
+        status, sizes = values[0], values[2:]
+        starts = _aligned(sizes)
+        data = torch.empty(starts[-1], dtype=torch.uint8, device=device)
         if src == me:
-            data = torch.frombuffer(bytearray(b"".join(items)), dtype=torch.uint8).to(device)
-        else:
-            data = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            for item, start in zip(items, starts, strict=False):
+                data[start : start + item.numel()].copy_(item)
         if data.numel():
             dist.broadcast(data, src=root, group=group)
-        raw = data.cpu().numpy().tobytes()
-        blobs, pos = [], 0
-        for n in sizes:
-            blobs.append(raw[pos : pos + n])
-            pos += n
-        status = int(meta[0].item())
-        if status and failure is None:
-            failure = (src, status - 1, blobs[0].decode(errors="replace"))
-        received.append(blobs)
+        pieces = [data[start : start + n] for start, n in zip(starts, sizes, strict=False)]
+        if status != _OK and failure is None:
+            kind, _, message = bytes(pieces[0].cpu().numpy()).decode(errors="replace").partition("\n")
+            failure = (src, kind, message)
+        received.append(pieces)
     if failure is not None:
         if isinstance(mine, BaseException):
             raise mine
         src, kind, message = failure
-        raise _ERRORS[kind](f"replica worker {src}: {message}")
+        raise errors.by_name(kind)(f"worker {src} of the group: {message}")
     return received
+
+
+def exchange_bytes(mine: bytes | BaseException, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+    """`exchange` of one byte string per rank."""
+    payload = mine if isinstance(mine, BaseException) else [_bytes(mine)]
+    return [bytes(pieces[0].cpu().numpy()) for pieces in exchange(payload, group, device)]
+
+
+def agree(value: int | BaseException, group: dist.ProcessGroup, device: torch.device) -> int:
+    """Group rank 0's `value`, on every rank (so that all of them take the same decision), or the
+    error any rank met instead of a value."""
+    mine = value if isinstance(value, BaseException) else [torch.tensor([value]).view(torch.uint8)]
+    first = exchange(mine, group, device)[0]
+    return int(first[0].cpu().view(torch.int64)[0])
+
+
+def _aligned(sizes: list[int]) -> list[int]:
+    """Where each item starts in the broadcast buffer, and its end: 8-byte aligned, so a receiver
+    views its pieces as int64 positions or int16 bits without a copy."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + (n + 7) // 8 * 8)
+    return starts
+
+
+def _describe(error: BaseException) -> Tensor:
+    """The error as the others raise it: its class name if it is one of ours, and its message."""
+    if isinstance(error, DeltaError):
+        return _bytes(f"{type(error).__name__}\n{error}".encode())
+    return _bytes(f"{DeltaError.__name__}\n{type(error).__name__}: {error}".encode())
+
+
+def _bytes(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from . import format as fmt
 from . import records
-from .paths import PartRef, cheapest_path
+from .format import PartRef
+from .paths import cheapest_path
 from .store import Store
 
 __all__ = ["ReaderCost", "marker_bytes", "reader_bytes", "stored_bytes", "window_cost"]
