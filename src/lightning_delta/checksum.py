@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["checksum", "checksum_update", "format_checksum", "parse_checksum"]
+__all__ = ["checksum", "checksum_at", "checksum_update", "format_checksum", "parse_checksum"]
 
 _MASK64 = (1 << 64) - 1
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
@@ -55,6 +55,12 @@ def checksum(bits: Tensor, offset: int = 0) -> int:
     checksum of a payload is the sum, mod 2**64, of the shares of its pieces."""
     _check_bits(bits)
     return _mix_sum(bits, offset=offset)
+
+
+def checksum_at(bits: Tensor, index: Tensor) -> int:
+    """The share of a checksum of the 16-bit `bits` at positions `index` (any order): what a
+    worker that holds some of a payload's elements contributes to its checksum."""
+    return _mix_sum(bits, index)
 
 
 def checksum_update(previous: int, index: Tensor, old: Tensor, new: Tensor) -> int:

@@ -56,10 +56,12 @@ __all__ = [
     "Mode",
     "Packed",
     "Patch",
+    "Steps",
     "ValueCoding",
     "decode",
     "decode_change",
     "decode_patch",
+    "decode_steps",
     "diff",
     "diff_counted",
     "encode",
@@ -182,6 +184,16 @@ class Decoded:
 
     new: Tensor
     change: Change | None
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What a payload does: every element (`whole`, RAW), or the changed positions and each one's
+    wrapped 16-bit step, `new = old + step mod 2**16` (SPARSE, CLASSED)."""
+
+    index: Tensor | None
+    step: Tensor | None
+    whole: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -573,6 +585,29 @@ def decode_patch(
     costs a pass over it and a sort.  A RAW payload needs neither and is decoded into `out` if
     given.  Nothing here writes anywhere else: the caller verifies the patch, then applies it.
     """
+    steps = decode_steps(payload, numel=numel, dtype=dtype, device=device, exponents=exponents, out=out)
+    if steps.whole is not None:
+        return Patch(None, steps.whole)
+    if old_at is None:
+        raise FormatError("a SPARSE tensor payload needs the previous tensor to decode against")
+    assert steps.index is not None and steps.step is not None
+    olds = old_at(steps.index)
+    return Patch(Change(steps.index, olds, olds + steps.step, numel, dtype), None)
+
+
+def decode_steps(
+    payload: bytes | memoryview,
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    exponents: Callable[[], Tensor] | None,
+    out: Tensor | None = None,
+) -> Steps:
+    """What a payload does, with no old value in hand: every element (RAW), or the changed
+    positions and each one's 16-bit step.  A worker that holds only a slice of the old tensor
+    applies the steps at the positions it holds; only a CLASSED payload needs `exponents()` of
+    the whole old tensor, to find its positions."""
     packed = parse(payload, numel)
     if packed.dtype != dtype:
         raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
@@ -586,14 +621,10 @@ def decode_patch(
             pairs = whole.view(torch.uint8).view(-1, 2)
             pairs[:, 0].copy_(sections[0])
             pairs[:, 1].copy_(sections[1])
-        return Patch(None, whole)
-    if old_at is None:
-        raise FormatError("a SPARSE tensor payload needs the previous tensor to decode against")
+        return Steps(None, None, whole)
     n, m, low_bits = packed.n, packed.m, packed.low_bits
     if m == 0:
-        nothing = torch.empty(0, dtype=torch.int64, device=device)
-        olds = old_at(nothing)
-        return Patch(Change(nothing, olds, olds, n, dtype), None)
+        return Steps(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int16, device=device))
     if packed.mode == Mode.CLASSED:
         if exponents is None:
             raise ValueError("a CLASSED payload needs the old tensor's exponents")
@@ -618,8 +649,7 @@ def decode_patch(
     if packed.k and bool(((step > 32767) | (step < -32768)).any()):
         raise FormatError("a tensor payload holds a change larger than 16 bits")
     step = step.to(torch.int16) if by_position is None else step.to(torch.int16)[by_position]
-    olds = old_at(index)
-    return Patch(Change(index, olds, olds + step, n, dtype), None)
+    return Steps(index, step)
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -212,13 +212,13 @@ class DeltaLoader:
         # Decoded where the held state lives: a bound module's device, else the loader's.
         device = sink.device if isinstance(sink, ModuleSink) else self.device
         try:
-            ranks, fetched = self._decode(step, held, sink, device)
+            ranks, fetched, share = self._decode(step, held, sink, device)
         except DeltaError as err:
             if held is None:
                 raise
             # The cheap path from the step held crosses damage; a base may still rebuild it.
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
-            ranks, fetched = self._decode(step, None, sink, device)
+            ranks, fetched, share = self._decode(step, None, sink, device)
         run = self.store.run()
         report = LoadReport(
             step=step,
@@ -228,6 +228,7 @@ class DeltaLoader:
             tensors=len(run.manifest.tensors),
             changed=sum(p.changed for rank in ranks for p in rank.payloads),
             seconds=time.perf_counter() - started,
+            share_seconds=share,
             probe=ranks[0].state.probe,
         )
         self.last_report = report
@@ -235,11 +236,12 @@ class DeltaLoader:
 
     def _decode(
         self, step: int, held: list[RankState] | None, sink: Sink | None, device: torch.device
-    ) -> tuple[list[RankPatch], int]:
-        """Every rank's patch from `held` (None: from a base) to `step`, and the parts this worker
-        fetched; with a group, each worker decodes its share and the others' arrive as patches."""
+    ) -> tuple[list[RankPatch], int, float]:
+        """Every rank's patch from `held` (None: from a base) to `step`, the parts this worker
+        fetched and the seconds its own share took; with a group, each worker decodes its share
+        and the others' arrive as patches."""
         outcome: list[RankPatch] | BaseException
-        fetched = 0
+        fetched, started = 0, time.perf_counter()
         try:
             if not self._reader.is_complete(step):
                 raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
@@ -265,11 +267,12 @@ class DeltaLoader:
                 self._full_check(run, held, sink)
         except DeltaError as err:
             outcome = err
+        share = time.perf_counter() - started
         if self.group is None:
             if isinstance(outcome, BaseException):
                 raise outcome
-            return outcome, fetched
-        return self._share_patches(step, outcome, held, sink, device), fetched
+            return outcome, fetched, share
+        return self._share_patches(step, outcome, held, sink, device), fetched, share
 
     def _share(self, world: int) -> range:
         """The trainer ranks this worker fetches and decodes: i, i + n, i + 2n, ... of n workers."""

@@ -75,7 +75,8 @@ class LoadReport:
     bytes_read: int  # every object this worker read from the store for it: markers, manifest, parts
     tensors: int  # tensors of the step
     changed: int  # elements to write: the changes, or every element when the step came from a base
-    seconds: float  # fetch, decode and verification
+    seconds: float  # fetch, decode and verification (with a replica: the exchange and agreement too)
+    share_seconds: float  # of which fetching, decoding and verifying this worker's share of the ranks
     probe: tuple[float, ...] | None = None  # the trainer's probe log-probs at this step, if published
 
     def __repr__(self) -> str:  # the probe's values would drown the rest
@@ -108,7 +109,7 @@ class PayloadView:
         for s in self.slices:
             self.offsets.append(self.offsets[-1] + s.numel)
 
-    def _pieces(self, index: Tensor) -> Iterator[tuple[fmt.SliceSpec, int, Tensor, slice]]:
+    def pieces(self, index: Tensor) -> Iterator[tuple[fmt.SliceSpec, int, Tensor, slice]]:
         """Per slice holding some of the ascending payload positions `index`: the slice, its offset
         in the payload, the positions in its tensor, and where they sit in `index`."""
         if len(self.slices) == 1:
@@ -123,7 +124,7 @@ class PayloadView:
 
     def gather(self, sink: Sink, index: Tensor) -> Tensor:
         """The held int16 bits at payload positions `index` (ascending)."""
-        parts = [sink.gather(s.tensor, positions) for s, _, positions, _ in self._pieces(index)]
+        parts = [sink.gather(s.tensor, positions) for s, _, positions, _ in self.pieces(index)]
         if not parts:
             return torch.empty(0, dtype=torch.int16, device=index.device)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(index.device)
@@ -152,7 +153,7 @@ class PayloadView:
             for s, offset in zip(self.slices, self.offsets, strict=False):
                 sink.write(s.tensor, s.start, patch.new[offset : offset + s.numel])
             return
-        for s, _, positions, where in self._pieces(patch.index):
+        for s, _, positions, where in self.pieces(patch.index):
             sink.scatter(s.tensor, positions, patch.new[where])
 
 

@@ -9,10 +9,13 @@ step seen complete stays complete until retention deletes it.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
+from .errors import ChainError, ChecksumError, FormatError
 from .paths import cheapest_path
 from .store import Store
 
@@ -63,9 +66,37 @@ class ChainReader:
 
     def fetch(self, step: int, rank: int, held: int | None, bar: Any = None) -> Fetched:
         """The parts that rebuild `rank`'s part of `step` from the step `held` (or a base)."""
+        refs, blobs = self.fetch_blobs(step, rank, held, bar)
+        return Fetched(
+            self.parse(refs, blobs, rank), bool(refs) and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE)
+        )
+
+    def fetch_blobs(
+        self, step: int, rank: int, held: int | None, bar: Any = None
+    ) -> tuple[list[fmt.PartRef], list[bytes]]:
+        """The refs and bytes of the parts on the cheapest path, oldest first, unchecked (`parse`
+        checks them, whichever worker of a group fetched them)."""
         world = self.store.run().world_size
-        path = cheapest_path(step, held, lambda s: self.store.part_refs(s, rank, world))
-        parts = tuple(self.store.fetch_part(ref, rank) for ref in reversed(path))
+        path = cheapest_path(step, held, lambda s: self.store.part_refs(s, rank, world))[::-1]
+        blobs = [self.store.read_object(ref, rank, world) for ref in path]
         if bar is not None:
             bar.update(1)
-        return Fetched(parts, bool(path) and (path[0].bridge or path[0].kind == fmt.Kind.BASE))
+        return path, blobs
+
+    def parse(self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes], rank: int) -> tuple[fmt.Part, ...]:
+        """Parts from blobs (fetched here or by another worker of a group): each checked against its
+        marker and parsed by `format.parse_part`, and together a chain, oldest first, whose links
+        follow the markers."""
+        run = self.store.run()
+        parts = []
+        for ref, blob in zip(refs, blobs, strict=True):
+            where = f"{self.store.url}/{fmt.blob_path(ref.step, rank, run.world_size, bridge=ref.bridge)}"
+            try:
+                fmt.verify_blob(blob, ref.marker)
+                parts.append(fmt.parse_part(blob, ref, rank, run))
+            except (FormatError, ChecksumError, ChainError) as err:
+                raise type(err)(f"{where}: {err}") from None
+        for older, newer in itertools.pairwise(parts):
+            if newer.header.prev_step != older.header.step:
+                raise ChainError(f"rank {rank}: step {newer.header.step} does not follow step {older.header.step}")
+        return tuple(parts)

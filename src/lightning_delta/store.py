@@ -199,36 +199,38 @@ class Store:
             raise FormatError(f"{self.url}/{key}: {err}") from None
         return parsed
 
-    def read_blob(self, ref: PartRef, rank: int, world_size: int) -> bytes:
-        """A committed part's bytes, checked against its marker (size and SHA-256) as `ref`
-        carries it from `part_refs`."""
+    def read_object(self, ref: PartRef, rank: int, world_size: int) -> bytes:
+        """A committed part's bytes, read with its marker's size as the bound (nothing more is
+        checked: `read_blob` and `reader.ChainReader.parse` check them against the marker)."""
         key = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
         blob = self._read(key, ref.size, lambda data: data)
         if blob is None:
             raise FormatError(f"{self.url}/{key} is committed but missing")
+        return blob
+
+    def read_blob(self, ref: PartRef, rank: int, world_size: int) -> bytes:
+        """A committed part's bytes, checked against its marker (size and SHA-256) as `ref`
+        carries it from `part_refs`."""
+        blob = self.read_object(ref, rank, world_size)
         try:
             fmt.verify_blob(blob, ref.marker)
         except (FormatError, ChecksumError) as err:
-            raise type(err)(f"{self.url}/{key}: {err}") from None
+            raise type(err)(
+                f"{self.url}/{fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)}: {err}"
+            ) from None
         return blob
-
-    def fetch_part(self, ref: PartRef, rank: int) -> fmt.Part:
-        """A committed part of this run, fetched, checked against its marker and parsed by
-        `format.parse_part`."""
-        run = self.run()
-        blob = self.read_blob(ref, rank, run.world_size)
-        try:
-            return fmt.parse_part(blob, ref, rank, run)
-        except (FormatError, ChainError) as err:
-            where = fmt.blob_path(ref.step, rank, run.world_size, bridge=ref.bridge)
-            raise type(err)(f"{self.url}/{where}: {err}") from None
 
     def read_part(self, step: int, rank: int, world_size: int, *, bridge: bool = False) -> fmt.Part:
         """A committed part, checked against its marker and parsed (what tools and tests read)."""
-        if world_size != self.run().world_size:
-            raise SnapshotNotFoundError(f"{self.url}: the run has {self.run().world_size} ranks, not {world_size}")
+        run = self.run()
+        if world_size != run.world_size:
+            raise SnapshotNotFoundError(f"{self.url}: the run has {run.world_size} ranks, not {world_size}")
         ref = _ref(step, self.read_marker(step, rank, world_size, bridge=bridge), bridge=bridge)
-        return self.fetch_part(ref, rank)
+        blob = self.read_blob(ref, rank, world_size)
+        try:
+            return fmt.parse_part(blob, ref, rank, run)
+        except (FormatError, ChainError) as err:
+            raise type(err)(f"{self.url}/{fmt.blob_path(step, rank, world_size, bridge=bridge)}: {err}") from None
 
 
 def _ref(step: int, marker: fmt.CommitMarker, *, bridge: bool) -> PartRef:

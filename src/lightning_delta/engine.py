@@ -1,0 +1,586 @@
+"""Following a chain into a live engine's parameters, at the cost of the change.
+
+The engine's parameters are the held state, read and written through a `ViewMap`; the tensors the
+map refuses are kept as copies here and handed to the engine's own `reload` whenever one of them
+changes.  A tensor-parallel worker holds only slices, so a step is decoded into what it does
+(changed positions and 16-bit steps, `codec.decode_steps`: no old value is needed, except the
+exponents of a CLASSED payload, which the workers assemble with one all-reduce of a byte per
+element), verified by the checksums' partial sums over the changes each worker owns, all-reduced
+over the group before anything is written, and then every worker writes `old + step` at the
+positions it holds.  The workers share one download: each fetches the parts of a share of the
+trainer ranks, and sends the others the blobs, which every receiver checks against their markers.
+
+Framework-free: an engine adapter (`vllm_backend`) gives the loader call, the parameters, the
+reload and the group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import codec
+from . import format as fmt
+from .checksum import checksum, checksum_at
+from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError
+from .patch import LoadReport, PayloadView, RankState, views
+from .reader import ChainReader
+from .replica import exchange, exchange_bytes
+from .store import Store
+from .viewmap import ViewMap
+
+__all__ = ["EngineFollower", "EngineStep"]
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+_STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
+
+
+@dataclass
+class _Payload:
+    """One payload at the target step, relative to the held state: `step` added at ascending
+    positions `index`, or (`whole`) every element."""
+
+    index: Tensor | None = None
+    step: Tensor | None = None
+    whole: Tensor | None = None
+
+    @property
+    def changed(self) -> int:
+        return self.whole.numel() if self.whole is not None else (self.index.numel() if self.index is not None else 0)
+
+
+@dataclass
+class EngineStep:
+    """A verified step, not yet written."""
+
+    step: int
+    states: list[RankState]
+    payloads: list[list[_Payload]]  # per trainer rank
+    report: LoadReport
+    generation: int
+
+
+class EngineFollower:
+    """One worker's follower of a chain into an engine.
+
+    Args:
+        store: the chain.
+        view_map: where this worker's parameters hold each checkpoint tensor (`ViewMap.learn`).
+        params: the engine's parameters by name (called at each write: an engine may re-register them).
+        reload: hands the engine every tensor the map refused, as full checkpoint tensors, after
+            one of them changed (the engine's own reload, which may prepack or quantize them).
+        group: the engine's tensor-parallel workers (a gloo group), or None for one worker.
+        device: where steps are decoded.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        view_map: ViewMap,
+        params: Callable[[], Mapping[str, Tensor]],
+        reload: Callable[[Mapping[str, Tensor]], None] | None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.store, self.map, self._params, self._reload = store, view_map, params, reload
+        self.group, self.device = group, device or torch.device("cpu")
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self._reader = ChainReader(store)
+        run = store.run()
+        self.run = run
+        self._names = [t.name for t in run.manifest.tensors]
+        self._shapes = [t.shape for t in run.manifest.tensors]
+        specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
+        described = self._gather_json(view_map.describe())
+        self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
+        self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
+        self._held: list[RankState] | None = None
+        self._generation = 0
+        self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
+
+    # ------------------------------------------------------------------ facts
+
+    def paths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((tensors, bytes) written in place, (tensors, bytes) through the engine's reload)."""
+        sizes = {t.name: 2 * t.numel for t in self.run.manifest.tensors}
+        mapped = [n for n in self._names if n in self.map.boxes]
+        refused = [n for n in self._names if n not in self.map.boxes]
+        return (len(mapped), sum(sizes[n] for n in mapped)), (len(refused), sum(sizes[n] for n in refused))
+
+    @property
+    def held_step(self) -> int | None:
+        return self._held[0].header.step if self._held else None
+
+    # ------------------------------------------------------------------ prepare
+
+    def newest(self) -> int:
+        """The newest complete step (group rank 0's, on every worker)."""
+        outcome: int | BaseException
+        try:
+            steps = self._reader.steps()
+            outcome = steps[-1] if steps else -1
+        except DeltaError as err:
+            outcome = err
+        newest = self._decide(outcome)[0]
+        if newest < 0:
+            raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
+        return newest
+
+    def prepare(self, step: int) -> EngineStep:
+        """Fetch, decode and verify `step` against what the engine holds, writing nothing."""
+        started, read_before = time.perf_counter(), self.store.bytes_read
+        held, generation = self._held, self._generation
+        mine = json.dumps([s.header.step for s in held] if held else None).encode()
+        if self.group is not None and len(set(exchange_bytes(mine, self.group, torch.device("cpu")))) > 1:
+            held = None  # the workers disagree on what they hold: every one re-syncs from a base
+        try:
+            states, payloads, fetched, share = self._prepare(step, held)
+        except DeltaError as err:
+            if held is None:
+                raise
+            log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
+            states, payloads, fetched, share = self._prepare(step, None)
+        report = LoadReport(
+            step=step,
+            kind=states[0].header.kind,
+            parts_read=fetched,
+            bytes_read=self.store.bytes_read - read_before,
+            tensors=len(self._names),
+            changed=sum(p.changed for rank in payloads for p in rank),
+            seconds=time.perf_counter() - started,
+            share_seconds=share,
+            probe=states[0].probe,
+        )
+        return EngineStep(step, states, payloads, report, generation)
+
+    def _prepare(
+        self, step: int, held: list[RankState] | None
+    ) -> tuple[list[RankState], list[list[_Payload]], int, float]:
+        """Every rank's verified patch, the parts this worker fetched, and the seconds of its fetch."""
+        started = time.perf_counter()
+        chains, fetched = self._fetch(step, held)
+        share = time.perf_counter() - started
+        states: list[RankState] = []
+        payloads: list[list[_Payload]] = []
+        partials: list[int] = []
+        expected: list[tuple[int, int, int, int]] = []
+        outcome: BaseException | None = None
+        try:
+            for rank, parts in enumerate(chains):
+                first = parts[0].header if parts else None
+                if (
+                    first is not None
+                    and first.kind == fmt.Kind.DELTA
+                    and (held is None or first.prev_step != held[rank].header.step)
+                ):
+                    raise ChainError(f"rank {rank}: the chain does not reach a base or the step held")
+                if parts and parts[-1].header.step != step:
+                    raise ChainError(f"rank {rank}: the chain ends at step {parts[-1].header.step}, not {step}")
+                state = held[rank] if held else None
+                rank_payloads, sums = self._decode(rank, parts, state, partials, expected)
+                payloads.append(rank_payloads)
+                if parts:
+                    state = RankState(parts[-1].header, parts[-1].probe, tuple(sums))
+                assert state is not None  # no parts: the step is the one held
+                states.append(state)
+        except DeltaError as err:
+            outcome = err
+        if self.group is not None:  # every worker decoded the same bytes; a local failure still stops all
+            exchange_bytes(outcome or b"", self.group, torch.device("cpu"))
+        elif outcome is not None:
+            raise outcome
+        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):
+            if got != want:
+                names = [self._names[s.tensor] for s in views(self.run, rank)[index].slices]
+                raise ChecksumError(
+                    f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
+                    "does not reproduce the trainer's checksum from the values the engine holds"
+                )
+        return states, payloads, fetched, share
+
+    def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int]:
+        """Every rank's parts (oldest first); each worker fetches a share and sends the others its blobs."""
+        world = self.run.world_size
+        ours = range(self.rank, world, self.size)
+        fetched: dict[int, tuple[list[fmt.PartRef], list[bytes]]] = {}
+        mine: list[Tensor] | BaseException
+        try:
+            if not self._reader.is_complete(step):
+                raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
+            for rank in ours:
+                fetched[rank] = self._reader.fetch_blobs(step, rank, held[rank].header.step if held else None)
+            mine = []
+            for refs, blobs in fetched.values():
+                mine.append(_bytes(json.dumps([asdict(r) for r in refs]).encode()))
+                mine += [_bytes(b) for b in blobs]
+        except DeltaError as err:
+            mine = err
+        if self.group is not None:
+            received = exchange(mine, self.group, torch.device("cpu"))
+            for src, pieces in enumerate(received):
+                if src == self.rank:
+                    continue
+                rest = iter(pieces)
+                for rank in range(src, world, self.size):
+                    refs = [_ref(r) for r in json.loads(bytes(next(rest).numpy()))]
+                    fetched[rank] = (refs, [bytes(next(rest).numpy()) for _ in refs])
+        elif isinstance(mine, BaseException):
+            raise mine
+        chains = [self._reader.parse(*fetched[rank], rank) for rank in range(world)]
+        return chains, sum(len(fetched[r][0]) for r in ours)
+
+    def _decode(
+        self,
+        rank: int,
+        parts: tuple[fmt.Part, ...],
+        held: RankState | None,
+        partials: list[int],
+        expected: list[tuple[int, int, int, int]],
+    ) -> tuple[list[_Payload], list[int]]:
+        """One rank's chain as one patch per payload; the partial checksum sums this worker owns go
+        into `partials`, what the group's sums must reach into `expected`."""
+        payload_views = views(self.run, rank)
+        patches = [_Payload() for _ in payload_views]
+        sums = list(held.checksums) if held is not None else [0] * len(patches)
+        for part in parts:
+            for i, (entry, data, view) in enumerate(zip(part.entries, part.payloads, payload_views, strict=True)):
+                patch = patches[i]
+                steps = codec.decode_steps(
+                    data,
+                    numel=view.numel,
+                    dtype=view.dtype,
+                    device=self.device,
+                    exponents=lambda view=view, patch=patch: self._exponents(view, patch),
+                )
+                if steps.whole is not None:
+                    bits = steps.whole.view(torch.int16)
+                    value = checksum(bits)
+                    if value != entry.checksum:
+                        raise ChecksumError(
+                            f"{self.store.url} rank {rank} step {part.header.step}: payload {i} does not reproduce "
+                            "the trainer's checksum"
+                        )
+                    patches[i] = _Payload(whole=bits)
+                else:
+                    assert steps.index is not None and steps.step is not None
+                    if steps.index.numel() != entry.changed:
+                        raise fmt.FormatError(
+                            f"{self.store.url} rank {rank} step {part.header.step}: payload {i} changes "
+                            f"{steps.index.numel()} elements, its header says {entry.changed}"
+                        )
+                    if patch.whole is not None:  # on top of a staged whole payload: every worker checks it
+                        old = patch.whole.index_select(0, steps.index)
+                        new = old + steps.step
+                        value = (sums[i] + checksum_at(new, steps.index) - checksum_at(old, steps.index)) & _MASK64
+                        if value != entry.checksum:
+                            raise ChecksumError(
+                                f"{self.store.url} rank {rank} step {part.header.step}: payload {i} does not "
+                                "reproduce the trainer's checksum"
+                            )
+                        patch.whole.index_copy_(0, steps.index, new)
+                    else:
+                        partials.append(self._partial(view, patch, steps.index, steps.step))
+                        expected.append((rank, i, part.header.step, (entry.checksum - sums[i]) & _MASK64))
+                        patches[i] = _compose(patch, steps.index, steps.step)
+                sums[i] = entry.checksum
+        return patches, sums
+
+    # ------------------------------------------------------------------ reading the held state
+
+    def _held_bits(self, view: PayloadView, index: Tensor, owned_only: bool) -> tuple[Tensor, Tensor]:
+        """(payload positions of `index` this worker holds (or owns), their held bits)."""
+        found_at, found_bits = [], []
+        for s, _, positions, where in view.pieces(index):
+            payload_positions = index[where]
+            for held, bits in self._tensor_bits(s.tensor, positions, owned_only):
+                found_at.append(payload_positions[held])
+                found_bits.append(bits)
+        if not found_at:
+            empty = torch.empty(0, dtype=torch.int64, device=index.device)
+            return empty, empty.to(torch.int16)
+        return torch.cat(found_at), torch.cat(found_bits)
+
+    def _tensor_bits(self, tensor: int, positions: Tensor, owned_only: bool) -> list[tuple[Tensor, Tensor]]:
+        """For flat positions of checkpoint tensor `tensor`: (mask of those held, their bits) per box."""
+        name = self._names[tensor]
+        if name not in self.map.boxes:
+            if owned_only and self.rank != 0:  # the kept copies are the same on every worker: rank 0 counts
+                return []
+            if tensor not in self._kept:
+                raise SnapshotNotFoundError(f"{name} is not held yet")
+            bits = self._kept[tensor].index_select(0, positions.cpu()).to(positions.device)
+            return [(torch.ones_like(positions, dtype=torch.bool), bits)]
+        params, out = self._params(), []
+        for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
+            if owned_only and not owned:
+                continue
+            held, target = box.locate(positions, self._shapes[tensor])
+            flat = _flat(params[box.param])
+            out.append((held, flat.index_select(0, target.to(flat.device)).to(positions.device)))
+        return out
+
+    def _partial(self, view: PayloadView, patch: _Payload, index: Tensor, step: Tensor) -> int:
+        """This worker's share of how the checksum moves when `step` is added at `index` to the held
+        state with `patch` applied: over the changed positions it owns."""
+        at, old = self._held_bits(view, index, owned_only=True)
+        if patch.index is not None and at.numel():
+            old = old + _overlay(patch, at)
+        where = torch.searchsorted(index, at)
+        new = old + step.index_select(0, where)
+        return (checksum_at(new, at) - checksum_at(old, at)) & _MASK64
+
+    def _exponents(self, view: PayloadView, patch: _Payload) -> Tensor:
+        """The exponent bytes of the whole payload in the held state with `patch` applied: each
+        worker fills in what it holds, and the group takes the maximum (the rest are zeros)."""
+        if patch.whole is not None:
+            return codec.exponent_bytes(patch.whole.view(view.dtype))
+        out = torch.zeros(view.numel, dtype=torch.uint8)  # on the CPU, where a gloo group reduces
+        for s, offset in zip(view.slices, view.offsets, strict=False):
+            name = self._names[s.tensor]
+            if name not in self.map.boxes:
+                if s.tensor in self._kept:
+                    kept = self._kept[s.tensor][s.start : s.start + s.numel]
+                    out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).cpu()
+                continue
+            params = self._params()
+            for box in self.map.boxes[name]:
+                for source, target in box.positions(self._shapes[s.tensor]):
+                    inside = (source >= s.start) & (source < s.start + s.numel)
+                    flat = _flat(params[box.param])
+                    bits = flat.index_select(0, target[inside].to(flat.device))
+                    out[source[inside] - s.start + offset] = codec.exponent_bytes(bits.view(view.dtype)).cpu()
+        if patch.index is not None and patch.index.numel():
+            at, old = self._held_bits(view, patch.index, owned_only=False)
+            new = old + _overlay(patch, at)
+            out[at.cpu()] = codec.exponent_bytes(new.view(view.dtype)).cpu()
+        if self.group is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out.to(self.device)
+
+    # ------------------------------------------------------------------ write
+
+    def write(self, prepared: EngineStep) -> float:
+        """Write a verified step into the engine (the positions this worker holds, and the kept
+        copies, then the engine's reload if one of those changed); returns the seconds it took."""
+        if prepared.generation != self._generation:
+            raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
+        started = time.perf_counter()
+        params = self._params()
+        reload = False
+        for rank, rank_payloads in enumerate(prepared.payloads):
+            for view, patch in zip(views(self.run, rank), rank_payloads, strict=True):
+                if patch.whole is None and (patch.index is None or not patch.index.numel()):
+                    continue
+                for s, offset in zip(view.slices, view.offsets, strict=False):
+                    reload |= self._write_slice(s, offset, patch, params)
+        if reload:
+            if self._reload is None:
+                raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
+            self._reload(self._kept_tensors())
+        self._held, self._generation = prepared.states, self._generation + 1
+        return time.perf_counter() - started
+
+    def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
+        """Write one slice of a payload's patch; True if it went into the kept copies."""
+        name = self._names[s.tensor]
+        if patch.whole is not None:
+            values = patch.whole[offset : offset + s.numel]
+            if name not in self.map.boxes:
+                numel = self.run.manifest.tensors[s.tensor].numel
+                kept = self._kept.setdefault(s.tensor, torch.zeros(numel, dtype=torch.int16))
+                kept[s.start : s.start + s.numel] = values.cpu()
+                return True
+            for box in self.map.boxes[name]:
+                flat = _flat(params[box.param])
+                for source, target in box.positions(self._shapes[s.tensor]):
+                    inside = (source >= s.start) & (source < s.start + s.numel)
+                    picked = values.index_select(0, (source[inside] - s.start).to(values.device))
+                    flat.index_copy_(0, target[inside].to(flat.device), picked.to(flat.device))
+            return False
+        assert patch.index is not None and patch.step is not None
+        lo, hi = torch.searchsorted(patch.index, torch.tensor([offset, offset + s.numel])).tolist()
+        if lo == hi:
+            return False
+        positions = patch.index[lo:hi] - offset + s.start
+        steps = patch.step[lo:hi]
+        if name not in self.map.boxes:
+            kept, positions = self._kept[s.tensor], positions.cpu()
+            kept.index_copy_(0, positions, kept.index_select(0, positions) + steps.cpu())
+            return True
+        for box in self.map.boxes[name]:
+            held, target = box.locate(positions, self._shapes[s.tensor])
+            flat = _flat(params[box.param])
+            target = target.to(flat.device)
+            flat.index_copy_(0, target, flat.index_select(0, target) + steps[held].to(flat.device))
+        return False
+
+    def _kept_tensors(self) -> dict[str, Tensor]:
+        specs = self.run.manifest.tensors
+        return {
+            specs[i].name: bits.view(fmt.DType(specs[i].dtype).torch).view(specs[i].shape)
+            for i, bits in self._kept.items()
+        }
+
+    # ------------------------------------------------------------------ full check
+
+    def verify(self) -> None:
+        """Rehash everything the engine holds of the chain against the trainer's checksums: each
+        worker the elements it owns, summed over the group; `ChecksumError` if any payload differs
+        (then the next step is written whole, from a base)."""
+        if self._held is None:
+            raise SnapshotNotFoundError("the engine holds no step of the chain yet")
+        partials, expected = [], []
+        for rank, state in enumerate(self._held):
+            for i, view in enumerate(views(self.run, rank)):
+                partials.append(self._owned_sum(view))
+                expected.append((rank, i, state.header.step, state.checksums[i]))
+        for (rank, i, step, want), got in zip(expected, self._sum(partials), strict=True):
+            if got != want:
+                self._held = None
+                raise ChecksumError(
+                    f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
+                    f"{step}: they were changed behind the follower's back; the next step is written whole"
+                )
+
+    def _owned_sum(self, view: PayloadView) -> int:
+        total = 0
+        params = self._params()
+        for s, offset in zip(view.slices, view.offsets, strict=False):
+            name = self._names[s.tensor]
+            if name not in self.map.boxes:
+                if self.rank == 0 and s.tensor in self._kept:
+                    total += checksum(self._kept[s.tensor][s.start : s.start + s.numel], offset)
+                continue
+            for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
+                if not owned:
+                    continue
+                flat = _flat(params[box.param])
+                for source, target in box.positions(self._shapes[s.tensor]):
+                    inside = (source >= s.start) & (source < s.start + s.numel)
+                    bits = flat.index_select(0, target[inside].to(flat.device))
+                    total += checksum_at(bits, (source[inside] - s.start + offset).to(flat.device))
+        return total & _MASK64
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, poll_seconds: float) -> None:
+        """Start fetching, decoding and verifying the next newer step in the background, so that
+        `take` only writes it (every worker of the group must call this together)."""
+        self._stop_prefetch()
+        stop, result = threading.Event(), []
+
+        def run() -> None:
+            held = self.held_step
+            try:
+                while True:
+                    steps = self._reader.steps(after=held)
+                    choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
+                    decided = self._decide(choice)
+                    if _STOP in decided:
+                        return
+                    if decided[0] != _NONE:
+                        result.append(self.prepare(decided[0]))
+                        return
+                    stop.wait(poll_seconds)
+            except Exception as err:  # kept for `take`, which prepares again and raises it there
+                result.append(err)
+
+        thread = threading.Thread(target=run, name="delta-engine-prefetch", daemon=True)
+        thread.start()
+        self._prefetch = (thread, stop, result)
+
+    def take(self, step: int | None) -> tuple[EngineStep, bool]:
+        """The verified `step` (None: the newest), and whether it had been prefetched."""
+        ready = self._stop_prefetch()
+        wanted = self.newest() if step is None else step
+        if ready is not None and ready.generation == self._generation and ready.step == wanted:
+            return ready, True
+        return self.prepare(wanted), False
+
+    def _stop_prefetch(self) -> EngineStep | None:
+        if self._prefetch is None:
+            return None
+        thread, stop, result = self._prefetch
+        stop.set()
+        thread.join()
+        self._prefetch = None
+        return result[0] if result and isinstance(result[0], EngineStep) else None
+
+    def close(self) -> None:
+        self._stop_prefetch()
+
+    # ------------------------------------------------------------------ group
+
+    def _decide(self, value: int | BaseException) -> list[int]:
+        if self.group is None:
+            if isinstance(value, BaseException):
+                raise value
+            return [value]
+        mine = value if isinstance(value, BaseException) else str(value).encode()
+        return [int(v) for v in exchange_bytes(mine, self.group, torch.device("cpu"))]
+
+    def _sum(self, partials: list[int]) -> list[int]:
+        """The group's sums of each partial checksum, mod 2**64."""
+        if self.group is None or not partials:
+            return [p & _MASK64 for p in partials]
+        signed = torch.tensor([p - (1 << 64) if p >= 1 << 63 else p for p in partials], dtype=torch.int64)
+        dist.all_reduce(signed, group=self.group)  # int64 sums wrap: the same sum mod 2**64
+        return [v & _MASK64 for v in signed.tolist()]
+
+    def _gather_json(self, value: object) -> list[Any]:
+        if self.group is None:
+            return [value]
+        return [json.loads(b) for b in exchange_bytes(json.dumps(value).encode(), self.group, torch.device("cpu"))]
+
+
+def _overlay(patch: _Payload, at: Tensor) -> Tensor:
+    """The steps `patch` adds at payload positions `at` (zero where it adds none)."""
+    assert patch.index is not None and patch.step is not None
+    if not patch.index.numel():
+        return torch.zeros_like(at, dtype=torch.int16)
+    where = torch.searchsorted(patch.index, at).clamp_(max=patch.index.numel() - 1)
+    hit = patch.index.index_select(0, where) == at
+    return torch.where(hit, patch.step.index_select(0, where), 0).to(torch.int16)
+
+
+def _compose(patch: _Payload, index: Tensor, step: Tensor) -> _Payload:
+    """`patch`, then `step` added at `index`, as one additive patch."""
+    if patch.index is None:
+        return _Payload(index, step)
+    union, inverse = torch.unique(torch.cat([patch.index, index]), sorted=True, return_inverse=True)
+    total = torch.zeros(union.numel(), dtype=torch.int16, device=index.device)
+    total.index_add_(0, inverse[: patch.index.numel()], patch.step)
+    total.index_add_(0, inverse[patch.index.numel() :], step)  # int16 wraps: steps add mod 2**16
+    return _Payload(union, total)
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor.detach().view(-1).view(torch.int16)
+
+
+def _bytes(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _ref(fields: dict[str, Any]) -> fmt.PartRef:
+    return fmt.PartRef(
+        int(fields["step"]),
+        fmt.Kind(fields["kind"]),
+        None if fields["prev_step"] is None else int(fields["prev_step"]),
+        int(fields["size"]),
+        bool(fields["bridge"]),
+        str(fields["sha256"]),
+    )

@@ -1,0 +1,81 @@
+"""Two processes, first the trainer's two ranks, then two tensor-parallel workers of the stand-in
+engine (tests/fused.py) following the chain they wrote:
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/engine_job.py STORE OUT
+
+Rank 0 damages a payload of step 7 between the two.  Each worker learns its view map, follows
+steps 1, 2, 3, 6, 7, 8 and writes OUT/rank-R.json: whether its parameters equal its slices of the
+trainer's tensors after each step, what it fetched, and the errors it met.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import replace_blob
+from fused import Engine
+from lightning_delta import DeltaError, Store
+from lightning_delta import format as fmt
+from lightning_delta.codec import Context
+from lightning_delta.engine import EngineFollower
+from lightning_delta.viewmap import ViewMap
+from test_engine import publish
+
+
+def main() -> None:
+    store_url, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    truth = publish(store_url, Context.EXPONENT)  # as the trainer's two ranks, each its half
+    dist.barrier()
+    store = Store(store_url)
+    if rank == 0:  # a payload bit of rank 1's part of step 7 that only its checksum can catch
+        part = store.read_part(7, 1, 2)
+        blob = bytearray(store.objects.get(fmt.blob_path(7, 1, 2)))
+        blob[len(blob) - part.entries[-1].length // 2] ^= 0x01
+        replace_blob(store, 7, 1, 2, bytes(blob))
+    dist.barrier()
+    engine = Engine(rank, size)
+    specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
+    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
+
+    def reload(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            engine.load_weights(name, tensor)
+
+    follower = EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload, group=dist.group.WORLD)
+    report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
+    for step in (1, 2, 3, 6, 7, 8):
+        before = {k: v.clone() for k, v in engine.state().items()}
+        try:
+            prepared = follower.prepare(step)
+            follower.write(prepared)
+        except DeltaError as err:
+            report["errors"].append([step, type(err).__name__])
+            report["untouched"].append(all(torch.equal(before[k], v) for k, v in engine.state().items()))
+            continue
+        expected = engine.expected(truth[step])
+        state = engine.state()
+        report["exact"].append(
+            all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
+        )
+        report["parts"].append(prepared.report.parts_read)
+    follower.verify()
+    engine.qkv.data.view(-1)[rank] += 1  # behind the follower's back, on every worker
+    try:
+        follower.verify()
+    except DeltaError as err:
+        report["tampered"] = type(err).__name__
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The live-engine follower on a stand-in engine (fused, sliced parameters; tests/fused.py): the
+view map read off its loader, steps written in place at the cost of the change, and the checks.
+The real vLLM engine is in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, replace_blob, torchrun
+from fused import DIM, HIDDEN, Engine, checkpoint
+from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store
+from lightning_delta import format as fmt
+from lightning_delta.codec import CodecOptions, Context
+from lightning_delta.engine import EngineFollower
+from lightning_delta.viewmap import Box, ViewMap
+
+STEPS = 8
+
+
+def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, torch.Tensor]]:
+    """A chain of the checkpoint: bases at 1 and 5, 5% of the elements change per step (by one
+    ULP: a delta codes them SPARSE or CLASSED, never whole).  Under torchrun, each rank publishes
+    its share."""
+    state, truth = checkpoint(), {}
+    settings = PublisherSettings(base_every=4, codec=CodecOptions(context=context))
+    with DeltaPublisher(url, lambda: state, settings) as publisher:
+        for step in range(1, STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            for tensor in state.values():
+                bits = tensor.view(torch.int16).view(-1)
+                bits[torch.rand(bits.numel(), generator=g) < 0.05] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    return truth
+
+
+def follower(url: str, engine: Engine) -> EngineFollower:
+    store = Store(url)
+    specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
+    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
+
+    def reload(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            engine.load_weights(name, tensor)
+
+    return EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload)
+
+
+def exact(engine: Engine, truth: dict[str, torch.Tensor]) -> bool:
+    state, expected = engine.state(), engine.expected(truth)
+    return all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
+
+
+def test_the_view_map_is_read_off_the_engines_own_loader(store_url):
+    publish(store_url)
+    engine = Engine(cast_norm=True)
+    specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
+    before = {k: v.clone() for k, v in engine.state().items()}
+    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())  # learning writes nothing
+    assert view_map.boxes["layer.k"] == (Box((0, 0), (HIDDEN, DIM), "qkv", HIDDEN * DIM, (DIM, 1)),)
+    assert view_map.boxes["layer.o"] == (Box((0, 0), (DIM, HIDDEN), "o", 0, (HIDDEN, 1)),)
+    assert "casts it" in view_map.refused["layer.norm"]  # into a float32 parameter
+    assert "layer.rope" in view_map.refused  # its loader computes
+    two = Engine(rank=1, size=2)
+    sliced = ViewMap.learn(specs, two.load_weights, dict(two.named_parameters()))
+    # worker 1 of 2 holds rows 4..7 of q, k and v, and columns 4..7 of o: a strided block
+    assert sliced.boxes["layer.k"] == (Box((HIDDEN // 2, 0), (HIDDEN // 2, DIM), "qkv", HIDDEN // 2 * DIM, (DIM, 1)),)
+    assert sliced.boxes["layer.o"] == (Box((0, HIDDEN // 2), (DIM, HIDDEN // 2), "o", 0, (HIDDEN // 2, 1)),)
+
+
+@pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT])
+def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(store_url, context):
+    truth = publish(store_url, context)
+    engine = Engine()
+    live = follower(store_url, engine)
+    assert live.paths()[1][0] == 1  # the rope, through the engine's reload
+    storage = engine.qkv.data_ptr()
+    for step in (1, 2, 3, 6, 7, 8):  # 4 and 5 on the way to 6: composed into one patch
+        prepared = live.prepare(step)
+        live.write(prepared)
+        assert exact(engine, truth[step]), step
+        assert torch.equal(engine.rope, truth[step]["layer.rope"])  # the reloaded tensor
+        if step in (2, 3, 7, 8):  # a delta: only its changes are written
+            store = Store(store_url)
+            changes = sum(e.changed for e in store.read_part(step, 0, 1).entries)
+            assert prepared.report.changed == changes
+    assert engine.qkv.data_ptr() == storage  # in place
+    live.verify()
+
+
+def test_a_damaged_step_writes_nothing_and_the_next_base_heals(store_url):
+    truth = publish(store_url)
+    store = Store(store_url)
+    part = store.read_part(3, 0, 1)
+    blob = bytearray(store.objects.get(fmt.blob_path(3, 0, 1)))
+    blob[len(blob) - part.entries[-1].length // 2] ^= 0x01  # a payload bit only its checksum can catch
+    replace_blob(store, 3, 0, 1, bytes(blob))
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    before = {k: v.clone() for k, v in engine.state().items()}
+    for step in (3, 4):
+        with pytest.raises(DeltaError):
+            live.prepare(step)
+        assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    live.write(live.prepare(5))  # from the base at 5
+    assert exact(engine, truth[5])
+
+
+def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    numel = sum(t.numel() for t in truth[2].values())
+    q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
+    # At a position step 3 changes: its incremental check sees it, and the follower re-syncs from
+    # the base, which writes every element (the changed one too).
+    engine.qkv.data.view(-1)[int((q3 != q2).nonzero()[0])] += 1
+    caplog.set_level("WARNING", logger="lightning_delta.engine")
+    prepared = live.prepare(3)
+    assert any("from the values the engine holds" in r.getMessage() for r in caplog.records)
+    assert prepared.report.changed == numel
+    live.write(prepared)
+    assert exact(engine, truth[3])
+    # Anywhere else: the incremental check of step 4 cannot see it, the full check does.
+    engine.qkv.data.view(-1)[int((q3 == truth[4]["layer.q"].view(torch.int16).view(-1)).nonzero()[0])] += 1
+    live.write(live.prepare(4))
+    with pytest.raises(ChecksumError, match="behind the follower's back"):
+        live.verify()
+    assert live.prepare(4).report.changed == numel  # the next load is whole, from its base
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out))
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["exact"] == [True] * 4 and report["untouched"] == [True, True]
+        assert [step for step, _ in report["errors"]] == [7, 8]  # 8's chain passes the damaged 7
+        assert report["tampered"] == "ChecksumError" and report["refused"] == ["layer.rope"]
+    # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
+    # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
+    assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]
