@@ -32,6 +32,7 @@ from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_at
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError
+from .loader import FullCheck
 from .patch import LoadReport, PayloadView, RankState, views
 from .reader import ChainReader
 from .replica import exchange, exchange_bytes
@@ -82,6 +83,8 @@ class EngineFollower:
             one of them changed (the engine's own reload, which may prepack or quantize them).
         group: the engine's tensor-parallel workers (a gloo group), or None for one worker.
         device: where steps are decoded.
+        full_check: when the engine's weights are rehashed in full before a step is written (each
+            worker the elements it owns, summed over the group); `verify` does it on demand.
     """
 
     def __init__(
@@ -93,9 +96,10 @@ class EngineFollower:
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        full_check: FullCheck = FullCheck.BASE_STEPS,
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
-        self.group, self.device = group, device or torch.device("cpu")
+        self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self._reader = ChainReader(store)
@@ -171,8 +175,11 @@ class EngineFollower:
     ) -> tuple[list[RankState], list[list[_Payload]], int, float]:
         """Every rank's verified patch, the parts this worker fetched, and the seconds of its fetch."""
         started = time.perf_counter()
-        chains, fetched = self._fetch(step, held)
+        chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
+        cadence = self.full_check
+        if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
+            self._check(held)  # a failure re-syncs from a base, which writes every element
         states: list[RankState] = []
         payloads: list[list[_Payload]] = []
         partials: list[int] = []
@@ -211,8 +218,9 @@ class EngineFollower:
                 )
         return states, payloads, fetched, share
 
-    def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int]:
-        """Every rank's parts (oldest first); each worker fetches a share and sends the others its blobs."""
+    def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int, bool]:
+        """Every rank's parts (oldest first), the parts this worker fetched, and whether the step is
+        a base step; each worker fetches a share and sends the others its blobs."""
         world = self.run.world_size
         ours = range(self.rank, world, self.size)
         fetched: dict[int, tuple[list[fmt.PartRef], list[bytes]]] = {}
@@ -240,7 +248,8 @@ class EngineFollower:
         elif isinstance(mine, BaseException):
             raise mine
         chains = [self._reader.parse(*fetched[rank], rank) for rank in range(world)]
-        return chains, sum(len(fetched[r][0]) for r in ours)
+        base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
+        return chains, sum(len(fetched[r][0]) for r in ours), base_step
 
     def _decode(
         self,
@@ -374,10 +383,20 @@ class EngineFollower:
 
     def write(self, prepared: EngineStep) -> float:
         """Write a verified step into the engine (the positions this worker holds, and the kept
-        copies, then the engine's reload if one of those changed); returns the seconds it took."""
-        if prepared.generation != self._generation:
+        copies, then the engine's reload if one of those changed); returns the seconds it took.
+
+        The changes are checked once more against the values they are written over, with the
+        group, before the first write: a step decoded ahead (prefetched) while a weight was changed
+        behind the follower's back raises `ChecksumError` here, and nothing is written.
+        """
+        if (
+            prepared.generation != self._generation
+            or self._held is None
+            and any(p.index is not None for rank in prepared.payloads for p in rank)
+        ):
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
         started = time.perf_counter()
+        self._check_changes(prepared)
         params = self._params()
         reload = False
         for rank, rank_payloads in enumerate(prepared.payloads):
@@ -392,6 +411,36 @@ class EngineFollower:
             self._reload(self._kept_tensors())
         self._held, self._generation = prepared.states, self._generation + 1
         return time.perf_counter() - started
+
+    def _check_changes(self, prepared: EngineStep) -> None:
+        """Whether the additive patches take the values the engine holds now to the trainer's
+        checksums: partial sums over the owned changes, summed over the group."""
+        partials, expected = [], []
+        for rank, (state, rank_payloads) in enumerate(zip(prepared.states, prepared.payloads, strict=True)):
+            for i, (view, patch) in enumerate(zip(views(self.run, rank), rank_payloads, strict=True)):
+                if patch.index is None or self._held is None:
+                    continue
+                partials.append(self._partial(view, _Payload(), patch.index, patch.step))  # type: ignore[arg-type]
+                expected.append((rank, i, (state.checksums[i] - self._held[rank].checksums[i]) & _MASK64))
+        for (rank, i, want), got in zip(expected, self._sum(partials), strict=True):
+            if got != want:
+                self._held = None  # the engine's weights are not the step held: the next write is whole
+                raise ChecksumError(
+                    f"rank {rank} payload {i}: the engine's weights changed behind the follower's back since step "
+                    f"{prepared.step} was decoded; nothing was written, and the next step is written whole"
+                )
+
+    def update(self, step: int | None) -> tuple[EngineStep, bool, float]:
+        """Take `step` (None: the newest; prefetched if it was) and write it: (the step, whether
+        it was prefetched, the seconds of the write).  A step whose changes no longer fit the
+        engine's weights is loaded again from a base, which writes every element."""
+        prepared, prefetched = self.take(step)
+        try:
+            return prepared, prefetched, self.write(prepared)
+        except ChecksumError as err:
+            log.warning("%s; loading step %d from its base", err, prepared.step)
+            prepared = self.prepare(prepared.step)
+            return prepared, False, self.write(prepared)
 
     def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
         """Write one slice of a payload's patch; True if it went into the kept copies."""
@@ -442,14 +491,20 @@ class EngineFollower:
         (then the next step is written whole, from a base)."""
         if self._held is None:
             raise SnapshotNotFoundError("the engine holds no step of the chain yet")
+        try:
+            self._check(self._held)
+        except ChecksumError:
+            self._held = None
+            raise
+
+    def _check(self, held: list[RankState]) -> None:
         partials, expected = [], []
-        for rank, state in enumerate(self._held):
+        for rank, state in enumerate(held):
             for i, view in enumerate(views(self.run, rank)):
                 partials.append(self._owned_sum(view))
                 expected.append((rank, i, state.header.step, state.checksums[i]))
         for (rank, i, step, want), got in zip(expected, self._sum(partials), strict=True):
             if got != want:
-                self._held = None
                 raise ChecksumError(
                     f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
                     f"{step}: they were changed behind the follower's back; the next step is written whole"

@@ -1,0 +1,226 @@
+"""lightning_delta as a vLLM weight-transfer backend: a thin adapter over `engine.EngineFollower`.
+
+The package's `vllm.general_plugins` entry point (`register`) adds the backend in every vLLM
+process, so no user code runs in engine processes; selecting it is enough:
+
+    llm = LLM(model=path, weight_transfer_config={"backend": "lightning_delta"})
+    llm.init_weight_transfer_engine({"init_info": {"url": "s3://bucket/run1"}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"step": 12}})  # {} for the newest complete step
+    llm.finish_weight_update(weight_version="12")
+
+or the same routes of `vllm serve --weight-transfer-config '{"backend": "lightning_delta"}'`.
+
+When the backend starts it reads where each checkpoint tensor lives off the model's own
+`load_weights` (`viewmap.ViewMap`).  Tensors that live in parameters as plain views (a bf16
+engine on a GPU; on the CPU, with `LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=1`, which keeps vLLM from
+prepacking linear weights) are written in place, only their changed elements; the others
+(prepacked, quantized, cast) are kept here and go through vLLM's layerwise reload whenever one of
+them changes.  Every object of a step is fetched and verified before anything is written; a step
+that fails leaves the engine serving the previous one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from . import format as fmt
+from .engine import EngineFollower
+from .errors import DeltaError
+from .loader import FullCheck
+from .patch import LoadReport
+from .records import enum_member
+from .store import Store
+from .viewmap import ViewMap
+
+__all__ = ["NAME", "PLAIN_WEIGHTS", "DeltaInitInfo", "DeltaUpdateInfo", "LightningDeltaEngine", "register"]
+
+log = logging.getLogger("vllm.lightning_delta")  # vLLM's handlers show its children's lines beside its own
+
+NAME = "lightning_delta"
+PLAIN_WEIGHTS = "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS"
+"""Set to 1 in the environment of a CPU engine to keep its linear weights in checkpoint layout
+(no oneDNN prepacking), so that updates are written in place at the cost of the change."""
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: run by vLLM in each of its processes, before any
+    worker loads a model."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(NAME, __name__, LightningDeltaEngine.__name__)
+    if os.environ.get(PLAIN_WEIGHTS) == "1":
+        import vllm._custom_ops
+
+        vllm._custom_ops._supports_onednn = False
+
+
+def _report_through_vllm() -> None:
+    """The library's own lines (a re-sync, a slow store) go where vLLM's go."""
+    ours = logging.getLogger("lightning_delta")
+    if not ours.handlers:
+        for handler in logging.getLogger("vllm").handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+@dataclass
+class DeltaInitInfo(WeightTransferInitInfo):
+    """`init_info`: the chain to follow, and how."""
+
+    url: str
+    """Any fsspec URL (a local path works)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    full_check: str = FullCheck.BASE_STEPS.value
+    """When the engine's weights are rehashed in full: base_steps, every_step or on_demand."""
+    prefetch: bool = True
+    """Fetch, decode and verify the next step while the engine generates, so that
+    `update_weights` only writes it."""
+    poll_seconds: float = 1.0
+    """How often the prefetcher looks for a newer step."""
+
+
+@dataclass
+class DeltaUpdateInfo(WeightTransferUpdateInfo):
+    """`update_info`: which step to apply (None: the newest complete one)."""
+
+    step: int | None = None
+
+
+class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
+    """The backend in one vLLM worker."""
+
+    init_info_cls = DeltaInitInfo
+    update_info_cls = DeltaUpdateInfo
+    supports_draft_weight_update = False
+
+    follower: EngineFollower | None = None
+    applied: int | None = None
+    """The step the engine's weights are at."""
+    last_report: LoadReport | None = None
+    """What the last applied step took: parts and bytes read, elements written, seconds."""
+
+    def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import get_tp_group
+
+        _report_through_vllm()
+        tp = get_tp_group()
+        group = None
+        if tp.world_size > 1:  # a group of our own: a prefetching thread never shares vLLM's
+            group = dist.new_group(ranks=tp.ranks, backend="gloo", use_local_synchronization=True)
+        self._last = tp.rank_in_group == tp.world_size - 1
+        store = Store(init_info.url, init_info.storage_options)
+        specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
+        params = dict(self.model.named_parameters())
+        with set_current_vllm_config(self.vllm_config):
+            view_map = ViewMap.learn(specs, self._load_one, params, self._refuse)
+        self.follower = EngineFollower(
+            store,
+            view_map,
+            lambda: dict(self.model.named_parameters()),
+            self._reload,
+            group=group,
+            device=self.device,
+            full_check=enum_member(FullCheck, init_info.full_check),
+        )
+        (inplace, inplace_bytes), (reloaded, reloaded_bytes) = self.follower.paths()
+        reasons = sorted({why.split(" (")[0] for why in view_map.refused.values()})
+        log.info(
+            "lightning_delta: following %s; in place: %d tensors (%.1f MB), only their changes; through vLLM's "
+            "layerwise reload: %d tensors (%.1f MB)%s",
+            store.url,
+            inplace,
+            inplace_bytes / 1e6,
+            reloaded,
+            reloaded_bytes / 1e6,
+            f", because {'; '.join(reasons)}" if reasons else "",
+        )
+        self._prefetch = init_info.prefetch
+        self._poll = init_info.poll_seconds
+        if self._prefetch:
+            self.follower.prefetch(self._poll)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: `receive_weights` verifies a whole step before it writes anything."""
+
+    def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        if self.follower is None:
+            raise RuntimeError("call init_weight_transfer_engine first")
+        started = time.perf_counter()
+        try:
+            prepared, prefetched, wrote = self.follower.update(update_info.step)
+        except DeltaError as err:  # the same error on every worker: the group agreed on it
+            log.error(
+                "lightning_delta: step %s not applied, the engine keeps step %s: %s",
+                update_info.step,
+                self.applied,
+                err,
+            )
+            if self._prefetch:
+                self.follower.prefetch(self._poll)
+            # A failure on an earlier worker would shift vLLM's replies for good: the last one reports it.
+            if self._last:
+                raise
+            return
+        self.applied, self.last_report = prepared.step, prepared.report
+        report = prepared.report
+        log.info(
+            "lightning_delta: applied step %d in %.1f ms (writing %.1f ms; %s; %d elements written, %d bytes read)",
+            prepared.step,
+            (time.perf_counter() - started) * 1e3,
+            wrote * 1e3,
+            "prefetched" if prefetched else f"fetched and verified now in {report.seconds * 1e3:.1f} ms",
+            report.changed,
+            report.bytes_read,
+        )
+        if self._prefetch:
+            self.follower.prefetch(self._poll)
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: the step is in the engine once `update_weights` returns."""
+
+    def shutdown(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+
+    # ------------------------------------------------------------------ the model
+
+    def _load_one(self, name: str, tensor: Tensor) -> None:
+        self.model.load_weights([(name, tensor)])
+
+    def _refuse(self, param: str) -> str | None:
+        """Why `param` cannot be written in place, if its layer computes from a packed copy."""
+        layer = self.model.get_submodule(param.rsplit(".", 1)[0]) if "." in param else self.model
+        kernel = getattr(layer, "cpu_linear", None)
+        names = getattr(getattr(kernel, "__code__", None), "co_names", ())
+        if kernel is not None and names != ("torch", "nn", "functional", "linear"):
+            return f"its layer computes from a prepacked copy ({'.'.join(names) or 'a CPU kernel'})"
+        return None
+
+    def _reload(self, tensors: Mapping[str, Tensor]) -> None:
+        """vLLM's layerwise reload of every tensor kept here (prepacked or quantized layers process
+        them again): a layer that received part of its weights would be rebuilt from the rest."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(self.model)
+            self.model.load_weights(list(tensors.items()))
+            finalize_layerwise_reload(self.model, self.model_config)

