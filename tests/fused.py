@@ -37,7 +37,7 @@ class Engine(nn.Module):
         self.o = nn.Parameter(torch.zeros(DIM, rows, dtype=torch.bfloat16), requires_grad=False)
         norm_dtype = torch.float32 if cast_norm else torch.bfloat16  # a cast: the map must refuse it
         self.norm = nn.Parameter(torch.zeros(DIM, dtype=norm_dtype), requires_grad=False)
-        self.rope = torch.zeros(4, dtype=torch.bfloat16)  # not a parameter: its loader computes
+        self.register_buffer("rope", torch.zeros(4, dtype=torch.bfloat16), persistent=False)  # its loader computes
 
     @torch.no_grad()
     def load_weights(self, name: str, tensor: Tensor) -> None:

@@ -46,12 +46,13 @@ def follower(url: str, engine: Engine) -> EngineFollower:
         for name, tensor in tensors.items():
             engine.load_weights(name, tensor)
 
-    return EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload)
+    device = engine.qkv.device
+    return EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload, device=device)
 
 
 def exact(engine: Engine, truth: dict[str, torch.Tensor]) -> bool:
     state, expected = engine.state(), engine.expected(truth)
-    return all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
+    return all(torch.equal(state[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
 
 
 def test_the_view_map_is_read_off_the_engines_own_loader(store_url):
@@ -72,10 +73,14 @@ def test_the_view_map_is_read_off_the_engines_own_loader(store_url):
     assert sliced.boxes["layer.o"] == (Box((0, HIDDEN // 2), (DIM, HIDDEN // 2), "o", 0, (HIDDEN // 2, 1)),)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT])
-def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(store_url, context):
+def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(store_url, context, device):
     truth = publish(store_url, context)
-    engine = Engine()
+    engine = Engine().to(device)
     live = follower(store_url, engine)
     assert live.paths()[1][0] == 1  # the rope, through the engine's reload
     storage = engine.qkv.data_ptr()
@@ -83,7 +88,7 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(st
         prepared = live.prepare(step)
         live.write(prepared)
         assert exact(engine, truth[step]), step
-        assert torch.equal(engine.rope, truth[step]["layer.rope"])  # the reloaded tensor
+        assert torch.equal(engine.rope.cpu(), truth[step]["layer.rope"])  # the reloaded tensor
         if step in (2, 3, 7, 8):  # a delta: only its changes are written
             store = Store(store_url)
             changes = sum(e.changed for e in store.read_part(step, 0, 1).entries)

@@ -389,11 +389,8 @@ class EngineFollower:
         group, before the first write: a step decoded ahead (prefetched) while a weight was changed
         behind the follower's back raises `ChecksumError` here, and nothing is written.
         """
-        if (
-            prepared.generation != self._generation
-            or self._held is None
-            and any(p.index is not None for rank in prepared.payloads for p in rank)
-        ):
+        additive = any(p.index is not None for rank in prepared.payloads for p in rank)
+        if prepared.generation != self._generation or (self._held is None and additive):
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
         started = time.perf_counter()
         self._check_changes(prepared)
@@ -553,7 +550,14 @@ class EngineFollower:
             except Exception as err:  # kept for `take`, which prepares again and raises it there
                 result.append(err)
 
-        thread = threading.Thread(target=run, name="delta-engine-prefetch", daemon=True)
+        def on_device() -> None:  # a new thread's current CUDA device is 0, whatever the engine's
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    run()
+            else:
+                run()
+
+        thread = threading.Thread(target=on_device, name="delta-engine-prefetch", daemon=True)
         thread.start()
         self._prefetch = (thread, stop, result)
 

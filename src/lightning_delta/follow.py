@@ -66,6 +66,9 @@ class Source(Protocol):
     @property
     def held_step(self) -> int | None: ...
 
+    @property
+    def device(self) -> torch.device: ...
+
     def steps(self, after: int | None = None) -> list[int]: ...
 
     def decide(self, value: int | BaseException) -> list[int]: ...
@@ -241,7 +244,14 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
         except Exception as err:  # a store that fails for good: re-raised in the caller's thread
             ready.put(_End(err))
 
-    worker = threading.Thread(target=produce, name="delta-follow", daemon=True)
+    def on_device() -> None:  # a new thread's current CUDA device is 0, whatever the caller's
+        if source.device.type == "cuda":
+            with torch.cuda.device(source.device):
+                produce()
+        else:
+            produce()
+
+    worker = threading.Thread(target=on_device, name="delta-follow", daemon=True)
     worker.start()
     try:
         while True:

@@ -1,0 +1,206 @@
+"""The GPU check: run it whenever a GPU is lent (about two minutes on one H200), record its table.
+
+    python scripts/gpu_check.py                                  # the current CUDA device
+    python scripts/gpu_check.py --device cpu --scale 0.001       # the CPU smoke run CI does
+
+Prints one table:
+  * follow: a model of lone large tensors (each its own payload, published from a view of the live
+    weights) and many small ones (one concatenated payload) is trained with an Adam-like update on
+    the device, published, and followed into a module on the device; every step bit-exact;
+  * syncs: host synchronizations `DeltaPublisher.publish` makes on the training thread (counted
+    with `torch.cuda.set_sync_debug_mode`, the worker threads' left out), per publish;
+  * memory: the publisher's peak device memory for a base and three deltas of a 2^28-element shard
+    (fp32 masters, bf16 shipped), beyond the masters, per shard element;
+  * codec: diff + pack of a 2 GB bf16 shard at 2% changed (SPARSE, `Context.NONE`), next to a
+    device memcpy of it (the goal is <= 5 ms on an H200), and its decode on the device;
+  * `scripts/bench_device.py` is the rest of the device-side numbers (run it after this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, LoaderSettings, PublisherSettings, codec
+
+ROWS: list[tuple[str, str]] = []
+
+
+def row(what: str, value: str) -> None:
+    ROWS.append((what, value))
+    print(f"{what}: {value}", flush=True)
+
+
+def synchronized(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], object], repeats: int = 3) -> float:
+    """Best of `repeats`, in seconds, with CUDA events on the current stream (wall clock on the CPU)."""
+    best = float("inf")
+    for _ in range(repeats):
+        synchronized(device)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, begin.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def adam_like(masters: dict[str, torch.Tensor], density: float, g: torch.Generator) -> None:
+    """Every weight moves by about the same amount, so about `density` of the bf16 casts change."""
+    for t in masters.values():
+        noise = torch.randn(t.shape, generator=g, device="cpu").to(t.device)
+        t.add_(torch.sign(noise) * t.abs().median() * density * 2**-10)
+
+
+def syncs_on_this_thread(device: torch.device, fn: Callable[[], object]) -> int:
+    """Host syncs `fn` makes on the calling thread (CUDA's sync debug mode warns at each)."""
+    if device.type != "cuda":
+        fn()
+        return 0
+    me, seen = threading.get_ident(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: seen.append(  # type: ignore[assignment]
+            (threading.get_ident(), str(message))
+        )
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for thread, message in seen if thread == me and "synchroniz" in message)
+
+
+def follow_check(device: torch.device, scale: float) -> None:
+    large, small = max(int((1 << 22) * scale), 4096 + 1), 64
+    g = torch.Generator().manual_seed(0)
+    masters = {f"big{i}.weight": (torch.randn(large, generator=g) * 0.02).to(device) for i in range(4)}
+    masters.update({f"norm{i}.weight": (1 + 0.01 * torch.randn(4096, generator=g)).to(device) for i in range(small)})
+    module = torch.nn.Module()
+    for name, t in masters.items():
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros_like(t, dtype=torch.bfloat16), requires_grad=False)
+        module.add_module(name.split(".")[0], layer)
+    truth, syncs = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = PublisherSettings(base_every=3)
+        with DeltaPublisher(tmp, masters, settings) as publisher:  # masters on the device: AUTO codes CLASSED there
+            for step in range(1, 7):
+                adam_like(masters, 0.02, g)
+                publisher.flush()  # the worker threads idle: what is counted is publish's own
+                syncs.append(syncs_on_this_thread(device, lambda s=step: publisher.publish(s)))
+                truth[step] = {k: v.to(torch.bfloat16).cpu() for k, v in masters.items()}
+        loader = DeltaLoader(tmp, LoaderSettings(device=str(device)))
+        exact = []
+        for followed in loader.follow(FollowSettings(poll_seconds=0.01, jump=False)):
+            followed.apply_to(module)
+            state = {f"{n}.weight": layer.weight.detach().cpu() for n, layer in module.named_children()}
+            exact.append(
+                all(
+                    torch.equal(state[k].view(torch.int16), v.view(torch.int16))
+                    for k, v in truth[followed.step].items()
+                )
+            )
+            if followed.step == 6:
+                break
+    groups = len(loader.store.run().manifest.ranks[0])
+    row(
+        "follow on the device, 6 steps (CLASSED deltas), every step bit-exact",
+        f"{all(exact) and len(exact) == 6} ({groups} payloads: 4 lone, 1 of {small} small tensors)",
+    )
+    row("host syncs on the training thread per publish (steps 1-6)", " ".join(map(str, syncs)))
+
+
+def memory_check(device: torch.device, scale: float) -> None:
+    numel = max(int((1 << 28) * scale), 1 << 12)
+    g = torch.Generator().manual_seed(1)
+    masters = {"shard": (torch.randn(numel, generator=g) * 0.02).to(device)}
+    if device.type != "cuda":
+        row("publisher peak device memory, a base and 3 deltas", "n/a on the CPU")
+        return
+    synchronized(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        DeltaPublisher(tmp, masters, PublisherSettings(base_every=100)) as publisher,
+    ):
+        for step in range(1, 5):
+            if step > 1:
+                adam_like(masters, 0.02, g)
+            publisher.publish(step)
+        publisher.flush()
+        synchronized(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    row(
+        f"publisher peak device memory, a base and 3 deltas of {numel:,} elements",
+        f"{peak / 2**20:.0f} MiB, {peak / numel:.2f} bytes per element",
+    )
+
+
+def codec_check(device: torch.device, scale: float) -> None:
+    numel = max(int((1 << 30) * scale), 1 << 12)  # 2 GB of bf16
+    g = torch.Generator(device=device).manual_seed(2)
+    old = (torch.randn(numel, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    moved = torch.rand(numel, generator=g, device=device) < 0.02
+    new.view(torch.int16)[moved] += 1
+    del moved
+    plain = codec.CodecOptions(context=codec.Context.NONE)
+    copy = torch.empty_like(new)
+    memcpy = timed(device, lambda: copy.copy_(new))
+    mask = old.view(torch.int16) != new.view(torch.int16)
+    count = int(mask.sum())
+    both = timed(device, lambda: codec.pack_delta(codec.diff_counted(old, new, mask, count), new))
+    row(f"device memcpy of a {2 * numel / 1e9:.2f} GB bf16 shard", f"{memcpy * 1e3:.2f} ms")
+    row(
+        "diff + pack of it at 2% (SPARSE), counted as the publisher does",
+        f"{both * 1e3:.2f} ms ({both / memcpy:.1f}x the memcpy)",
+    )
+    payload = codec.serialize(codec.pack_delta(codec.diff(old, new), new).cpu(), plain)
+    decode = timed(
+        device, lambda: codec.decode_steps(payload, numel=numel, dtype=torch.bfloat16, device=device, exponents=None)
+    )
+    row(
+        "decode of its payload on the device (positions and steps)",
+        f"{decode * 1e3:.2f} ms ({len(payload) / 1e6:.1f} MB payload)",
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink every size (the CPU smoke run)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"GPU check on {name}, torch {torch.__version__}, scale {args.scale}", flush=True)
+    follow_check(device, args.scale)
+    memory_check(device, args.scale)
+    codec_check(device, args.scale)
+    print("\n| check | result |\n|---|---|")
+    for what, value in ROWS:
+        print(f"| {what} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
