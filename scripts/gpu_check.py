@@ -119,10 +119,12 @@ def follow_check(device: torch.device, scale: float) -> None:
             )
             if followed.step == 6:
                 break
-    groups = len(loader.store.run().manifest.ranks[0])
+    payloads = loader.store.run().manifest.ranks[0]
+    lone = sum(len(p) == 1 for p in payloads)
+    kind = "CLASSED" if settings.codec.conditions(device) else "SPARSE"
     row(
-        "follow on the device, 6 steps (CLASSED deltas), every step bit-exact",
-        f"{all(exact) and len(exact) == 6} ({groups} payloads: 4 lone, 1 of {small} small tensors)",
+        f"follow on the device, 6 steps ({kind} deltas), every step bit-exact",
+        f"{all(exact) and len(exact) == 6} ({len(payloads)} payloads, {lone} of one tensor)",
     )
     row("host syncs on the training thread per publish (steps 1-6)", " ".join(map(str, syncs)))
 
@@ -134,24 +136,25 @@ def memory_check(device: torch.device, scale: float) -> None:
     if device.type != "cuda":
         row("publisher peak device memory, a base and 3 deltas", "n/a on the CPU")
         return
-    synchronized(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        DeltaPublisher(tmp, masters, PublisherSettings(base_every=100)) as publisher,
-    ):
-        for step in range(1, 5):
-            if step > 1:
-                adam_like(masters, 0.02, g)
-            publisher.publish(step)
-        publisher.flush()
+    for context in (codec.Context.EXPONENT, codec.Context.NONE):
         synchronized(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    row(
-        f"publisher peak device memory, a base and 3 deltas of {numel:,} elements",
-        f"{peak / 2**20:.0f} MiB, {peak / numel:.2f} bytes per element",
-    )
+        masters_only, peak = torch.cuda.memory_allocated(device), 0
+        settings = PublisherSettings(base_every=100, codec=codec.CodecOptions(context=context))
+        with tempfile.TemporaryDirectory() as tmp, DeltaPublisher(tmp, masters, settings) as publisher:
+            for step in range(1, 5):
+                if step > 1:
+                    adam_like(masters, 0.02, g)  # the update's own temporaries are not the publisher's
+                synchronized(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                publisher.publish(step)
+                publisher.flush()  # the worker's packing and copies count too
+                synchronized(device)
+                peak = max(peak, torch.cuda.max_memory_allocated(device) - masters_only)
+        kind = "CLASSED" if context == codec.Context.EXPONENT else "SPARSE"
+        row(
+            f"publisher peak device memory beyond the fp32 masters, a base and 3 {kind} deltas of {numel:,} elements",
+            f"{peak / 2**20:.0f} MiB, {peak / numel:.2f} bytes per element",
+        )
 
 
 def codec_check(device: torch.device, scale: float) -> None:

@@ -61,7 +61,7 @@ def test_cuda_publish_through_pinned_side_stream_copies_rebuilds_bit_exactly(sto
             opt.zero_grad()
             pub.publish(step)
             truth[step] = {k: v.cpu() for k, v in bf16_state(model).items()}  # after: publish must not wait
-    loader = DeltaLoader(store_url, device="cuda")
+    loader = DeltaLoader(store_url, LoaderSettings(device="cuda"))
     for step in range(1, 9):
         assert_state({k: v.cpu() for k, v in loader.state_dict(step)[1].items()}, truth[step])
 

@@ -457,7 +457,8 @@ class EngineFollower:
                     flat.index_copy_(0, target[inside].to(flat.device), picked.to(flat.device))
             return False
         assert patch.index is not None and patch.step is not None
-        lo, hi = torch.searchsorted(patch.index, torch.tensor([offset, offset + s.numel])).tolist()
+        bounds = torch.tensor([offset, offset + s.numel], device=patch.index.device)
+        lo, hi = torch.searchsorted(patch.index, bounds).tolist()
         if lo == hi:
             return False
         positions = patch.index[lo:hi] - offset + s.start
