@@ -435,3 +435,22 @@ def test_exponent_context_chain_rebuilds_bit_exactly(store_url):
     loader = DeltaLoader(store_url)
     for step in [*range(1, 10), 3, 9, 6]:
         assert_state(loader.state_dict(step)[1], truth[step])
+
+
+def test_the_first_of_two_upload_failures_is_the_one_raised(store_url):
+    gate = threading.Event()
+
+    def fail(key: str) -> None:
+        if f"/{1:012d}/" in key:
+            assert gate.wait(120)  # step 1's upload fails only once step 2 is queued behind it
+            raise StoreError("first failure")
+        if f"/{2:012d}/" in key:
+            raise StoreError("second failure")
+
+    pub = DeltaPublisher(Store(HookedObjects(store_url, fail)), TinyLM(), PublisherSettings(base_every=1))
+    pub.publish(1)
+    pub.publish(2)  # a base too: the upload stage tries it after step 1 failed
+    gate.set()
+    with pytest.raises(PublishError, match="first failure"):
+        pub.flush()
+    pub.close()

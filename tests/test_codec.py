@@ -11,6 +11,7 @@ from conftest import bitwise_equal
 from lightning_delta import codec
 from lightning_delta.codec import CodecOptions, Compressor, Context, Mode
 from lightning_delta.errors import FormatError
+from lightning_delta.format import DType
 
 DTYPES = [torch.bfloat16, torch.float16]
 ALL_COMPRESSORS = [
@@ -425,3 +426,14 @@ def test_classed_high_bits_must_stay_in_their_class():
                 broken[at + to_byte] ^= 1 << to_bit
                 try_decode(broken)
     assert "Elias-Fano high bits set outside their exponent class" in refusals
+
+
+def test_a_size_its_payload_cannot_hold_is_refused_before_allocating():
+    """A RAW header that declares 2**40 elements, with a few stored bytes behind it: a zstd section
+    expands at most 2**15 times, so it is refused before anything of that size is allocated."""
+    numel = 2**40
+    header = codec._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.EXPONENT, 0, DType.bfloat16.code)
+    section = bytes([codec.Compressor.ZSTD]) + codec._varint(8) + bytes(8)
+    payload = header + codec._varint(numel) * 2 + codec._varint(0) + section * 2
+    with pytest.raises(FormatError, match="cannot hold"):
+        codec.decode(None, payload, numel=numel, dtype=torch.bfloat16)

@@ -167,3 +167,16 @@ def test_a_replica_of_two_workers_downloads_one_copy_and_both_rebuild_exactly(tm
     assert sum(r["bytes"][0] for r in reports) == reports[0]["alone_bytes"]  # together: one copy
     # its own rank's chain: base 1 and deltas 2, 3; then deltas 4, 6, 7 and the bridge at 5, never base 5
     assert [r["parts"] for r in reports] == [[3, 4], [3, 4]]
+
+
+def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_error(tmp_path):
+    """No rank is left waiting: a publisher's claim on a prefix rank 0 cannot write, a replica's load
+    and follow, and an engine's prepare, where one rank's store fails.  Every rank raises the
+    failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
+    torchrun(ROOT / "tests" / "collective_job.py", str(tmp_path), timeout=240)
+    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        for case in ("claim", "load", "follow", "engine"):
+            assert report[case][0] == "StoreError", (case, report[case])
+        assert "Not a directory (a part of the path is a regular file)" in report["claim"][2]
+    assert "worker 1 of the group" in reports[0]["load"][2]  # rank 0 says whose error it raises

@@ -9,10 +9,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import HookedObjects, Said, bf16_state, bitwise_equal
-from lightning_delta import DeltaLoader, DeltaPublisher, FollowedStep, FollowSettings, PublisherSettings, Store
+from lightning_delta import (
+    DeltaLoader,
+    DeltaPublisher,
+    FollowedStep,
+    FollowSettings,
+    PublisherSettings,
+    Store,
+    StoreError,
+)
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -238,3 +247,22 @@ def test_a_report_prints_in_one_short_line(store_url):
     loader.state_dict()
     text = repr(loader.last_report)
     assert "<130 log-probs>" in text and len(text) < 200 and "\n" not in text
+
+
+def test_a_store_that_fails_for_good_ends_the_iteration_with_its_error(store_url):
+    """Damage is skipped (the next base heals it); a store that cannot be read is not damage."""
+    trainer = Trainer(store_url)
+    trainer.steps(2)
+    down = threading.Event()
+
+    def unreachable(key: str) -> None:
+        if down.is_set() and key.endswith(".ldelta"):
+            raise StoreError(f"{store_url}: the endpoint is unreachable while reading {key}")
+
+    loader = DeltaLoader(Store(HookedObjects(store_url, before_read=unreachable)))
+    follower = loader.follow(FollowSettings(poll_seconds=0.01, jump=False, prefetch=False))  # step 2: once asked
+    assert next(follower).step == 1
+    down.set()
+    with pytest.raises(StoreError, match="unreachable"):
+        next(follower)
+    trainer.publisher.close()

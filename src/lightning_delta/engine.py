@@ -31,7 +31,7 @@ from torch import Tensor
 from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_at
-from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError
+from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
 from .patch import LoadReport, PayloadView, RankState, views
 from .reader import ChainReader
@@ -153,7 +153,7 @@ class EngineFollower:
         try:
             states, payloads, fetched, share = self._prepare(step, held)
         except DeltaError as err:
-            if held is None:
+            if held is None or isinstance(err, StoreError):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
             states, payloads, fetched, share = self._prepare(step, None)

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .errors import DeltaError
+from .errors import DeltaError, StoreError
 from .patch import LoadReport, StepPatch
 
 __all__ = ["FollowSettings", "FollowedStep", "follow"]
@@ -222,6 +222,8 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     continue
                 try:
                     prepared = source.prepare(newest)
+                except StoreError:  # not damage: a store that fails for good ends the iteration
+                    raise
                 except DeltaError as err:  # damage: wait for a step that rebuilds (the next base)
                     log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, err)
                     skipped.append(newest)

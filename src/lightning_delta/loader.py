@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import format as fmt
 from . import patch as patches
-from .errors import ChecksumError, DeltaError, FormatError, SnapshotNotFoundError
+from .errors import ChecksumError, DeltaError, FormatError, SnapshotNotFoundError, StoreError
 from .follow import FollowedStep, FollowSettings, follow
 from .patch import LoadReport, RankPatch, RankState, StepPatch
 from .reader import ChainReader
@@ -214,7 +214,7 @@ class DeltaLoader:
         try:
             ranks, fetched, share = self._decode(step, held, sink, device)
         except DeltaError as err:
-            if held is None:
+            if held is None or isinstance(err, StoreError):
                 raise
             # The cheap path from the step held crosses damage; a base may still rebuild it.
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
