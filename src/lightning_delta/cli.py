@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from .errors import DeltaError, SnapshotNotFoundError
 
 if TYPE_CHECKING:
-    from .format import RunManifest
+    from .format import Run
     from .store import Store
 
 __all__ = ["main"]
 
 
-def open_run(args: argparse.Namespace) -> tuple[Store, RunManifest]:
+def open_run(args: argparse.Namespace) -> tuple[Store, Run]:
     """The store named on the command line and its run manifest; a prefix that holds no run is an
     error, so a typo in a URL never reads as an empty, healthy chain."""
     from .format import RUN_MANIFEST

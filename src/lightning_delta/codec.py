@@ -311,7 +311,7 @@ def pack_delta(change: Change, new: Tensor | None = None) -> Packed:
     if m * low_bits + _high_len(n, m, low_bits) + 2 * m + magnitude_bits > 12 * n:
         assert new is not None  # may_pack_raw holds wherever this estimate can win
         return pack_full(new)
-    raw = pack_full(new) if n <= _BOTH_BELOW and m else None
+    raw = pack_full(new) if new is not None and n <= _BOTH_BELOW and m else None
     classed = _pack_classed(change, change.exponents, step, unit, far) if change.exponents is not None and m else None
     if classed is None:
         return _pack_sparse(change, step, unit, far, raw)
@@ -437,13 +437,13 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
         parts.append(_varint(len(packed.classes)))
         parts += [bytes([key]) + _varint(members) + _varint(changed) for key, members, changed in packed.classes]
     for section, compressible in zip(packed.sections, _COMPRESSIBLE[packed.values], strict=True):
-        raw = memoryview(section.contiguous().numpy())
+        raw = memoryview(section.contiguous().numpy().data)
         compressor, data = Compressor.NONE, raw
         if compressible and options.compressor != Compressor.NONE and len(raw) >= 64:
             squeezed = _BACKENDS[options.compressor].compress(raw, options.level)
             if len(squeezed) < len(raw):
-                compressor, data = options.compressor, squeezed
-        parts += [bytes([compressor]), _varint(len(data)), data]
+                compressor, data = options.compressor, memoryview(squeezed)
+        parts += [bytes([compressor]), _varint(len(data)), bytes(data)]
     return b"".join(parts)
 
 

@@ -16,6 +16,7 @@ reload and the group.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -272,7 +273,7 @@ class EngineFollower:
                     numel=view.numel,
                     dtype=view.dtype,
                     device=self.device,
-                    exponents=lambda view=view, patch=patch: self._exponents(view, patch),
+                    exponents=functools.partial(self._exponents, view, patch),
                 )
                 if steps.whole is not None:
                     bits = steps.whole.view(torch.int16)
@@ -533,7 +534,7 @@ class EngineFollower:
         """Start fetching, decoding and verifying the next newer step in the background, so that
         `take` only writes it (every worker of the group must call this together)."""
         self._stop_prefetch()
-        stop, result = threading.Event(), []
+        stop, result = threading.Event(), list[EngineStep | Exception]()
 
         def run() -> None:
             held = self.held_step
@@ -618,7 +619,7 @@ def _overlay(patch: _Payload, at: Tensor) -> Tensor:
 
 def _compose(patch: _Payload, index: Tensor, step: Tensor) -> _Payload:
     """`patch`, then `step` added at `index`, as one additive patch."""
-    if patch.index is None:
+    if patch.index is None or patch.step is None:
         return _Payload(index, step)
     union, inverse = torch.unique(torch.cat([patch.index, index]), sorted=True, return_inverse=True)
     total = torch.zeros(union.numel(), dtype=torch.int16, device=index.device)

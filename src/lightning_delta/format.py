@@ -112,6 +112,9 @@ _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+_TorchDType = torch.dtype  # named here: inside DType, `torch` is its property
+
+
 class DType(str, Enum):
     """Every 16-bit element type of the format, named once: the manifest spells a tensor's dtype by
     its value, a tensor payload by its `code` (docs/FORMAT.md sections 3 and 4)."""
@@ -121,7 +124,7 @@ class DType(str, Enum):
     int16 = "int16"  # tensor payloads only: a run ships floating-point weights
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch(self) -> _TorchDType:
         return _TORCH[self]
 
     @property
@@ -134,7 +137,7 @@ class DType(str, Enum):
         return self is not DType.int16
 
     @classmethod
-    def of(cls, dtype: torch.dtype | str) -> DType:
+    def of(cls, dtype: _TorchDType | str) -> DType:
         """The format's name of a torch dtype, or of its spelling in a config ("bfloat16")."""
         if isinstance(dtype, str):
             return cls(dtype)

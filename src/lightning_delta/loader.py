@@ -355,7 +355,7 @@ class DeltaLoader:
                 raise SnapshotNotFoundError(
                     f"step {prepared.step} was decoded against a state the loader no longer holds; load it again"
                 )
-            bound = isinstance(self._sink, ModuleSink) and self._sink.fits(module, rename)
+            bound = module is not None and isinstance(self._sink, ModuleSink) and self._sink.fits(module, rename)
             if already and bound:
                 return 0.0  # this module holds the step already
             sink = self._sink if module is None or bound else ModuleSink(module, run, rename)  # names, shapes

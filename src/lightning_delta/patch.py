@@ -197,7 +197,7 @@ def decode_rank(
                     return codec.exponent_bytes(previous.new.view(view.dtype))
                 assert sink is not None  # a delta is decoded against a held state
                 held_exponents = view.exponents(sink).to(device)
-                if previous is not None:
+                if previous is not None and previous.index is not None:
                     changed = codec.exponent_bytes(previous.new.view(view.dtype))
                     held_exponents.index_copy_(0, previous.index, changed)
                 return held_exponents
@@ -245,7 +245,7 @@ def _through(view: PayloadView, sink: Sink | None, patch: PayloadPatch | None, i
     if sink is None:
         raise ChainError("a delta needs the state it applies to, and none is held")
     bits = view.gather(sink, index).to(index.device)
-    if patch is None or not patch.index.numel() or not index.numel():
+    if patch is None or patch.index is None or not patch.index.numel() or not index.numel():
         return bits
     at = torch.searchsorted(patch.index, index).clamp_(max=patch.index.numel() - 1)
     hit = patch.index.index_select(0, at) == index

@@ -41,7 +41,7 @@ from . import format as fmt
 from .checksum import checksum, checksum_update
 from .errors import DeltaError, PublishError, UnsupportedStrategyError
 from .format import DType
-from .merged import is_peft_model, merged_tensors
+from .merged import MergedTensors, is_peft_model, merged_tensors
 from .records import enum_member
 from .replica import exchange_bytes, group_device
 from .retention import collect
@@ -320,7 +320,10 @@ class DeltaPublisher:
             return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
         tensors = self._source()
-        changed_shape = [n for n, shape in self._shapes.items() if n not in tensors or tuple(tensors[n].shape) != shape]
+        shapes = (
+            tensors.shapes() if isinstance(tensors, MergedTensors) else {n: tuple(t.shape) for n, t in tensors.items()}
+        )
+        changed_shape = [n for n, shape in self._shapes.items() if shapes.get(n) != shape]
         if changed_shape:
             raise UnsupportedStrategyError(
                 f"the run's layout is fixed at construction; {changed_shape[:3]} changed or vanished since: "
@@ -632,7 +635,7 @@ def _claim(
     them: no rank is left waiting in a collective.  Two collectives, at construction only.
     """
     collective = group is not None and dist.get_world_size(group) > 1
-    device = group_device(group, _training_device()) if collective else torch.device("cpu")
+    device = group_device(group, _training_device()) if group is not None and collective else torch.device("cpu")
     mine = layout if isinstance(layout, BaseException) else json.dumps(layout).encode()
     if collective:
         assert group is not None

@@ -19,7 +19,7 @@ import types
 import typing
 from enum import Enum
 from functools import cache
-from typing import Any, TypeVar, Union, get_args, get_origin
+from typing import Any, TypeVar, Union, cast, get_args, get_origin
 
 import numpy as np
 
@@ -134,11 +134,12 @@ def _convert(raw: Any, kind: Any, where: str) -> Any:
             raise _Invalid(f"{where} must be an array")
         return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(raw))
     if dataclasses.is_dataclass(kind):
-        fields = _fields(kind)
+        record = cast(type, kind)  # a dataclass type, never an instance: annotations are types
+        fields = _fields(record)
         if not isinstance(raw, dict) or raw.keys() != fields.keys():
             got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
             raise _Invalid(f"{where} must hold exactly the keys {sorted(fields)}, got {got}")
-        return kind(**{k: _convert(raw[k], t, f"{where}.{k}") for k, t in fields.items()})
+        return record(**{k: _convert(raw[k], t, f"{where}.{k}") for k, t in fields.items()})
     if isinstance(kind, type) and issubclass(kind, Enum):
         try:
             return kind(raw)

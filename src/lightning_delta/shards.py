@@ -63,7 +63,7 @@ def named_tensors(module: nn.Module) -> dict[str, Tensor]:
     if isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module
     persistent = {clean_name(k) for k in module.state_dict(keep_vars=True)}
-    out = {clean_name(n): p for n, p in module.named_parameters()}
+    out: dict[str, Tensor] = {clean_name(n): p for n, p in module.named_parameters()}
     for n, b in module.named_buffers():
         name = clean_name(n)
         if name in persistent and b.is_floating_point() and name not in out:

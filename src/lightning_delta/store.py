@@ -13,6 +13,7 @@ by `format`, the one parser; this module only says where objects are and what co
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -138,7 +139,7 @@ class Store:
         steps = []
         for block in self._names("steps", fmt.parse_block_name):
             if block >= first:
-                steps += self._names(fmt.block_dir(block), lambda n, b=block: fmt.parse_step_name(n, b))
+                steps += self._names(fmt.block_dir(block), functools.partial(_step_in, block=block))
         return sorted(s for s in steps if after is None or s > after)
 
     def _names(self, key: str, parse: Callable[[str], int | None]) -> list[int]:
@@ -231,6 +232,10 @@ class Store:
             return fmt.parse_part(blob, ref, rank, run)
         except (FormatError, ChainError) as err:
             raise type(err)(f"{self.url}/{fmt.blob_path(step, rank, world_size, bridge=bridge)}: {err}") from None
+
+
+def _step_in(name: str, block: int) -> int | None:
+    return fmt.parse_step_name(name, block)
 
 
 def _ref(step: int, marker: fmt.CommitMarker, *, bridge: bool) -> PartRef:

@@ -165,7 +165,7 @@ class _Copies(TorchDispatchMode):
         self.storage = probe.untyped_storage()._cdata
         self.copies: list[tuple[Tensor, Tensor]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
@@ -195,11 +195,12 @@ def _box(
     why = refuse(param)
     if why is not None:
         raise _NotAView(why)
-    start, rest = [], src.storage_offset()
+    start, rest = [], int(src.storage_offset())
     for stride in probe.stride():
         start.append(rest // stride if stride else 0)
         rest = rest % stride if stride else rest
-    return Box(tuple(start), tuple(src.shape), param, dst.storage_offset() - tensor.storage_offset(), dst.stride())
+    offset = int(dst.storage_offset()) - int(tensor.storage_offset())
+    return Box(tuple(start), tuple(int(n) for n in src.shape), param, offset, tuple(int(s) for s in dst.stride()))
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:
