@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -164,3 +166,48 @@ def test_each_process_of_a_distributed_trainer_publishes_its_share(tmp_path):
     assert loader.steps() == [1, 2, 3, 4, 5]
     for step in loader.steps():
         assert_state(loader.state_dict(step)[1], load_file(truth / f"step-{step}.safetensors"))
+
+
+class FlatParameter(torch.nn.Parameter):
+    """FSDP1's flat parameter, as its class name shows it (FSDP1 needs the real collectives to build one)."""
+
+
+@pytest.mark.parametrize(
+    ("unreadable", "way_out"),
+    [
+        ("fsdp1", "use FSDP2"),
+        ("zero3", "ZeRO stage 1 or 2"),
+        ("qlora", "train LoRA over a bf16 base model"),
+    ],
+)
+def test_weights_that_are_not_the_weights_are_refused_with_the_way_out(tmp_path, unreadable, way_out):
+    """The conditions are built directly: FSDP1, DeepSpeed and bitsandbytes do not run on this CPU."""
+    model = tiny_llama()
+    layer = model.model.layers[0].self_attn.q_proj
+    if unreadable == "fsdp1":
+        layer.weight = FlatParameter(layer.weight.detach().reshape(-1))
+    elif unreadable == "zero3":
+        layer.weight = torch.nn.Parameter(torch.empty(0))
+        layer.weight.ds_id, layer.weight.ds_shape = 7, (64, 64)  # what ZeRO-3 leaves in the module
+    else:
+        model = lora(model)
+        base = model.get_base_model().model.layers[0].self_attn.q_proj.get_base_layer()
+        base.weight.quant_state = object()  # bitsandbytes' Params4bit carries its quantization state
+    callback = DeltaTrainerCallback(str(tmp_path / "store"))
+    with pytest.raises(UnsupportedStrategyError, match=way_out):
+        callback.on_train_begin(None, types.SimpleNamespace(global_step=0), None, model=model)
+
+
+@pytest.mark.slow
+def test_the_probe_under_fsdp2_publishes_each_ranks_shard(tmp_path):
+    from safetensors.torch import load_file
+
+    from conftest import ROOT, torchrun
+
+    store, truth = str(tmp_path / "store"), tmp_path / "truth"
+    torchrun(ROOT / "tests" / "hf_fsdp2_job.py", store, str(truth))
+    loader = DeltaLoader(store)
+    assert loader.steps() == [1, 2, 3, 4]
+    for step in loader.steps():
+        assert_state(loader.state_dict(step)[1], load_file(truth / f"step-{step}.safetensors"))
+        assert loader.last_report.probe == tuple(torch.load(truth / f"probe-{step}.pt").flatten().tolist())

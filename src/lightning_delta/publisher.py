@@ -45,7 +45,7 @@ from .merged import MergedTensors, is_peft_model, merged_tensors
 from .records import enum_member
 from .replica import exchange_bytes, group_device
 from .retention import collect
-from .shards import OwnedSlice, named_tensors, plan, read_slice
+from .shards import OwnedSlice, check_readable, named_tensors, plan, read_slice
 from .store import Store, as_store
 
 __all__ = [
@@ -584,6 +584,8 @@ def step_metrics(publisher: DeltaPublisher, stats: PublishStats) -> dict[str, fl
 
 
 def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
+    if isinstance(tensors, nn.Module):
+        check_readable(tensors)
     if isinstance(tensors, nn.Module) and is_peft_model(tensors):  # the merged policy, base model's names
         return lambda: merged_tensors(tensors)
     if isinstance(tensors, nn.Module):

@@ -25,6 +25,7 @@ from .errors import FormatError, UnsupportedStrategyError
 __all__ = [
     "OwnedSlice",
     "assemble",
+    "check_readable",
     "clean_name",
     "named_tensors",
     "plan",
@@ -69,6 +70,30 @@ def named_tensors(module: nn.Module) -> dict[str, Tensor]:
         if name in persistent and b.is_floating_point() and name not in out:
             out[name] = b
     return out
+
+
+def check_readable(module: nn.Module) -> None:
+    """Refuse, with the way out, parameters that are not the weights they stand for: FSDP1's flat
+    parameters, DeepSpeed ZeRO-3's empty placeholders, and packed 4-bit or 8-bit base weights
+    (bitsandbytes, under QLoRA).  Published as they are, they would be wrong or empty weights."""
+    for name, p in module.named_parameters():
+        kind = type(p).__name__
+        if kind == "FlatParameter" or "_flat_param" in name:
+            raise UnsupportedStrategyError(
+                f"{name} is an FSDP1 flat parameter, which holds many tensors' shards back to back: use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard; Lightning's ModelParallelStrategy, accelerate's fsdp_version=2)"
+            )
+        if hasattr(p, "ds_id") or hasattr(p, "ds_shape"):
+            raise UnsupportedStrategyError(
+                f"{name} is a DeepSpeed ZeRO-3 placeholder (its weights live partitioned elsewhere, it holds "
+                f"{p.numel()} elements): use ZeRO stage 1 or 2, or FSDP2 (accelerate's fsdp_version=2)"
+            )
+        if kind in ("Params4bit", "Int8Params") or hasattr(p, "quant_state") or hasattr(p, "SCB"):
+            raise UnsupportedStrategyError(
+                f"{name} is a packed {kind} base weight (bitsandbytes, QLoRA): its LoRA merge is not the bf16 "
+                "weights a rollout engine serves; train LoRA over a bf16 base model, or publish "
+                "`merge_and_unload()` copies of a dequantized model"
+            )
 
 
 def plan(tensors: dict[str, Tensor], rank: int, world_size: int) -> list[OwnedSlice]:
