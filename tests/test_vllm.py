@@ -90,3 +90,27 @@ def test_vllm_serve_follows_through_its_http_routes(tmp_path):
     result = run("serve", tmp_path, plain=True)
     assert (result["update_2"], result["update_3"]) == (200, 500)  # the damaged step: an error, nothing written
     assert result["version"] == {"weight_version": "2"} and result["equal"]
+
+
+def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_path):
+    """scripts/train.py writes the demo chain (main venv); scripts/generate.py --engine vllm follows
+    it (vLLM's venv) and generates the same greedy tokens as the Hugging Face model does."""
+    train = [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "train.py"), "steps=4"]
+    proc = subprocess.run(
+        [*train, f"store.url={tmp_path / 'store'}"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def generate(python: Path, *extra: str) -> list[list[str]]:
+        cmd = [str(python), str(ROOT / "scripts" / "generate.py"), *extra, f"store.url={tmp_path / 'store'}"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "vllm_env"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS="1")
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "applied 4 steps" in done.stdout
+        return [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+
+    vllm_rows, hf_rows = generate(PYTHON, "--engine", "vllm"), generate(ROOT / ".venv" / "bin" / "python")
+    assert [int(r[0]) for r in vllm_rows] == [1, 2, 3, 4]
+    assert all(float(r[6]) < 0.05 for r in vllm_rows)  # vLLM's kernels, not the trainer's: close, not equal
+    assert [r[8:] for r in vllm_rows] == [r[8:] for r in hf_rows]  # the same greedy tokens

@@ -10,6 +10,7 @@ misspelt override (`delta.base_evry=10`) is an error, not a silent no-op.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
@@ -18,7 +19,7 @@ from .follow import FollowSettings
 from .loader import LoaderSettings
 from .publisher import PublisherSettings
 
-__all__ = ["GenerateConfig", "ModelConfig", "StoreConfig", "TrainConfig", "register_configs"]
+__all__ = ["Engine", "GenerateConfig", "ModelConfig", "StoreConfig", "TrainConfig", "register_configs"]
 
 
 @dataclass
@@ -37,7 +38,8 @@ class ModelConfig:
     vocab: int = 97
     dim: int = 64
     layers: int = 2
-    heads: int = 4
+    heads: int = 2
+    """Two heads of 32 dimensions: vLLM's CPU attention takes no smaller heads."""
     context: int = 32
 
 
@@ -54,8 +56,16 @@ class TrainConfig:
     """Seed of the fixed probe batch whose log-probs are published with each step."""
 
 
+class Engine(str, Enum):
+    """What scripts/generate.py generates with."""
+
+    hf = "hf"  # a Hugging Face model the loader writes each step into
+    vllm = "vllm"  # a vLLM engine that follows through the lightning_delta backend (its own venv)
+
+
 @dataclass
 class GenerateConfig:
+    engine: Engine = Engine.hf
     store: StoreConfig = field(default_factory=StoreConfig)
     loader: LoaderSettings = field(default_factory=LoaderSettings)
     follow: FollowSettings = field(default_factory=FollowSettings)
