@@ -10,6 +10,8 @@ Each case ends in one of these outcomes:
 * exact: the bytes the trainer held (a mutation the format does not see, say a padding bit);
 * caught: a payload that decodes to other values whose checksum differs (codec target only:
   the loader refuses it, `test_reliability` shows how);
+* split (codec): decoded in chunks, as a follower in sync takes it, the payload is refused where
+  it decodes in one piece, or the other way round, or gives other values -- must never happen;
 * wrong: other values that pass (codec: a checksum collision; store: weights handed out that
   are not the trainer's) -- must never happen;
 * other: any other exception type -- must never happen;
@@ -43,12 +45,12 @@ from typing import Any
 
 import torch
 
-from lightning_delta import DeltaError, DeltaLoader, DeltaPublisher, PublisherSettings, Store, codec, records
+from lightning_delta import DeltaError, DeltaLoader, FormatError, DeltaPublisher, PublisherSettings, Store, codec, records
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
 from lightning_delta.retention import collect
 
-FAILURES = ("wrong", "other", "bomb", "hang")
+FAILURES = ("wrong", "split", "other", "bomb", "hang")
 _SLACK = 64 << 20
 
 
@@ -191,8 +193,40 @@ def mutate_payload(rng: random.Random, payload: bytes, other: bytes) -> bytes:
     return bytes(data)
 
 
+def _in_chunks(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> torch.Tensor | None:
+    """The payload applied to `old` the way a follower in sync takes it (`codec.iter_steps`, 64
+    changes at a time); None where it is refused."""
+    def exponents() -> torch.Tensor:
+        if old is None:
+            raise FormatError("a CLASSED payload needs the previous tensor")
+        return codec.exponent_bytes(old)
+
+    try:
+        out = None if old is None else old.view(torch.int16).clone()
+        for steps in codec.iter_steps(
+            payload, numel=new.numel(), dtype=new.dtype, device=new.device, exponents=exponents, chunk=64
+        ):
+            if steps.whole is not None:
+                return steps.whole.view(torch.int16)
+            if out is None:
+                return None
+            assert steps.index is not None and steps.step is not None
+            out[steps.index] += steps.step
+    except FormatError:
+        return None
+    return out
+
+
 def _decode_case(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> str:
-    got = codec.decode(old, payload, numel=new.numel(), dtype=new.dtype)
+    chunked = _in_chunks(old, new, payload)
+    try:
+        got = codec.decode(old, payload, numel=new.numel(), dtype=new.dtype)
+    except DeltaError:
+        if chunked is not None:
+            return "split"
+        raise
+    if chunked is None or not torch.equal(chunked, got.view(torch.int16)):
+        return "split"
     if got.dtype == new.dtype and torch.equal(got.view(torch.int16), new.view(torch.int16)):
         return "exact"
     if (got.numel(), got.dtype) != (new.numel(), new.dtype) or checksum(got.view(torch.int16)) != checksum(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import jobs
 from fused import Engine
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, PublisherSettings, Store, StoreError
 from lightning_delta.engine import EngineFollower
@@ -115,3 +116,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

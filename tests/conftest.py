@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -79,10 +80,24 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> 
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_all(cmd, env, timeout, "torchrun")
+
+
+def run_all(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in a process group of its own, so that a run that hangs is killed with every
+    process it started (ranks, engine workers), not only its first; fail the test on error."""
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{what} hung for {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
+        pytest.fail(f"{what} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import jobs
 from lightning_delta import DeltaCallback, PublisherSettings
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
@@ -126,3 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

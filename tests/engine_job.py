@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+import jobs
 from conftest import replace_blob
 from fused import Engine
 from lightning_delta import DeltaError, Store
 from lightning_delta import format as fmt
 from lightning_delta.codec import Context
+from lightning_delta import engine as engine_module
 from lightning_delta.engine import EngineFollower
 from lightning_delta.viewmap import ViewMap
 from test_engine import publish
@@ -41,6 +43,7 @@ def main() -> None:
         blob[len(blob) - part.entries[-1].length // 2] ^= 0x01
         replace_blob(store, 7, 1, 2, bytes(blob))
     dist.barrier()
+    engine_module._CHUNK = 64  # a step in sync in many chunks of changes, each checked, then written
     engine = Engine(rank, size)
     specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
@@ -79,3 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

@@ -14,6 +14,7 @@ import sys
 
 from safetensors.torch import save_file
 
+import jobs
 from lightning_delta import DeltaLoader, FollowSettings
 
 
@@ -34,3 +35,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

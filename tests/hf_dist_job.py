@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import jobs
 from lightning_delta import PublisherSettings
 from lightning_delta.hf import DeltaTrainerCallback
 from lightning_delta.shards import named_tensors
@@ -65,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

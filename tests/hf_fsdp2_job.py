@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import jobs
 from lightning_delta import PublisherSettings
 from lightning_delta.hf import DeltaTrainerCallback
 from lightning_delta.shards import named_tensors
@@ -71,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

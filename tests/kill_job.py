@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import jobs
 from lightning_delta import DeltaPublisher, PublisherSettings, Store
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.retention import collect
@@ -84,3 +85,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import jobs
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, PublisherSettings
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
@@ -72,3 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

@@ -306,6 +306,64 @@ def test_flipped_bytes_raise_or_decode_within_bounds(options):
             payload[pos] ^= mask
 
 
+def _pieces(payload: bytes, old: torch.Tensor, chunk: int | None) -> codec.Steps | FormatError:
+    """Every piece of `payload` in chunks of `chunk` changes, joined; or the FormatError met."""
+    try:
+        pieces = list(
+            codec.iter_steps(
+                payload,
+                numel=old.numel(),
+                dtype=old.dtype,
+                device=old.device,
+                exponents=lambda: codec.exponent_bytes(old),
+                chunk=chunk,
+            )
+        )
+    except FormatError as err:
+        return err
+    if pieces[0].whole is not None:
+        return pieces[0]
+    assert all(p.index is not None and p.step is not None and p.index.numel() for p in pieces[1:])
+    return codec.Steps(torch.cat([p.index for p in pieces]), torch.cat([p.step for p in pieces]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs() | structured_pairs(), st.sampled_from([CodecOptions(), CLASSED]), st.sampled_from([1, 8, 9, 64, 1000]))
+def test_a_payload_decodes_the_same_in_chunks_of_any_size(pair, options, chunk):
+    """What bounds a follower's memory by the chunk, not the tensor: the changes of a SPARSE
+    payload in ascending runs of at most `chunk` (8 bits of the unary high bits per byte), which
+    join to what one piece decodes; a RAW or CLASSED payload is one piece."""
+    old, new = pair
+    payload = codec.encode(old, new, options)
+    whole, pieces = _pieces(payload, old, None), _pieces(payload, old, chunk)
+    assert isinstance(whole, codec.Steps) and isinstance(pieces, codec.Steps)
+    if whole.whole is not None:
+        assert pieces.whole is not None and bitwise_equal(pieces.whole, whole.whole)
+        return
+    assert torch.equal(pieces.index, whole.index) and torch.equal(pieces.step, whole.step)
+    rebuilt = old.view(torch.int16).clone()
+    rebuilt[pieces.index] += pieces.step
+    assert bitwise_equal(rebuilt.view(new.dtype), new)
+
+
+@pytest.mark.parametrize("options", HOSTILE, ids=_hostile_id)
+def test_chunks_refuse_exactly_the_damaged_payloads_one_piece_refuses(options):
+    """Every flipped bit of a payload: decoded in chunks of 8 or 64 changes, it is refused exactly
+    when one piece is (by the time the last chunk is due), and otherwise decodes the same."""
+    old, _, payload = _hostile_sample(options)
+    damaged = bytearray(payload)
+    for pos in range(len(payload)):
+        for mask in (0x01, 0x10, 0x80):
+            damaged[pos] ^= mask
+            whole = _pieces(bytes(damaged), old, None)
+            for chunk in (8, 64):
+                pieces = _pieces(bytes(damaged), old, chunk)
+                assert isinstance(pieces, FormatError) == isinstance(whole, FormatError), (pos, mask, chunk)
+                if isinstance(whole, codec.Steps) and isinstance(pieces, codec.Steps) and whole.whole is None:
+                    assert torch.equal(pieces.index, whole.index) and torch.equal(pieces.step, whole.step)
+            damaged[pos] ^= mask
+
+
 def _patched(payload: bytes, pos: int, value: bytes) -> bytes:
     return payload[:pos] + value + payload[pos + len(value) :]
 

@@ -14,6 +14,7 @@ from fused import DIM, HIDDEN, Engine, checkpoint
 from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
+from lightning_delta import engine as engine_module
 from lightning_delta.engine import EngineFollower
 from lightning_delta.viewmap import Box, ViewMap
 
@@ -78,7 +79,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT])
-def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(store_url, context, device):
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
+    store_url, context, device, chunk, monkeypatch
+):
+    if chunk is not None:  # a step in sync in many chunks of changes, each decoded, checked and written
+        monkeypatch.setattr(engine_module, "_CHUNK", chunk)
     truth = publish(store_url, context)
     engine = Engine().to(device)
     live = follower(store_url, engine)

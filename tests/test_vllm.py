@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_all
 
 pytestmark = pytest.mark.slow
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -36,9 +36,7 @@ def run(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
     else:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
     cmd = [str(PYTHON), str(ROOT / "tests" / "vllm_job.py"), scenario, str(work)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"{scenario} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    run_all(cmd, env, 900, scenario)
     return json.loads((work / "result.json").read_text())
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+import jobs
+
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 STEPS, DAMAGED = 6, 3
 ENGINE = {"dtype": "bfloat16", "skip_tokenizer_init": True, "max_model_len": 128, "enforce_eager": True}
@@ -91,6 +93,7 @@ def publish(rank: int, work: str) -> None:
                 shutil.copytree(f"{work}/model", folder)
                 save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors")
     dist.destroy_process_group()
+    jobs.end()
 
 
 def logprobs(llm: Any) -> list[Any]:
@@ -198,8 +201,8 @@ def _nudge(worker: Any, name: str, position: int) -> None:
     shape = next(t.shape for t in engine.follower.run.manifest.tensors if t.name == name)
     params = dict(worker.model_runner.get_model().named_parameters())
     for box in engine.follower.map.boxes[name]:
-        held, target = box.locate(torch.tensor([position]), shape)
-        if bool(held.all()):
+        _, target = box.locate(torch.tensor([position]), shape)
+        if target.numel():  # this box holds it
             params[box.param].data.view(-1).view(torch.int16)[target] += 1
 
 
@@ -286,3 +289,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

@@ -608,6 +608,23 @@ def decode_steps(
     positions and each one's 16-bit step.  A worker that holds only a slice of the old tensor
     applies the steps at the positions it holds; only a CLASSED payload needs `exponents()` of
     the whole old tensor, to find its positions."""
+    return next(iter_steps(payload, numel=numel, dtype=dtype, device=device, exponents=exponents, out=out))
+
+
+def iter_steps(
+    payload: bytes | memoryview,
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    exponents: Callable[[], Tensor] | None,
+    out: Tensor | None = None,
+    chunk: int | None = None,
+) -> Iterator[Steps]:
+    """`decode_steps` in pieces: a SPARSE payload's changes in ascending runs of at most `chunk`
+    of them (what it costs to decode is then bounded by the chunk, not by the tensor); a RAW or
+    CLASSED payload in one piece.  A malformed payload raises `FormatError` at the latest once its
+    last piece is due, so a caller that must not act on a bad payload consumes every piece first."""
     packed = parse(payload, numel)
     if packed.dtype != dtype:
         raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
@@ -621,35 +638,73 @@ def decode_steps(
             pairs = whole.view(torch.uint8).view(-1, 2)
             pairs[:, 0].copy_(sections[0])
             pairs[:, 1].copy_(sections[1])
-        return Steps(None, None, whole)
-    n, m, low_bits = packed.n, packed.m, packed.low_bits
+        yield Steps(None, None, whole)
+        return
+    m = packed.m
     if m == 0:
-        return Steps(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int16, device=device))
+        yield Steps(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int16, device=device))
+        return
     if packed.mode == Mode.CLASSED:
         if exponents is None:
             raise ValueError("a CLASSED payload needs the old tensor's exponents")
         in_class_order = _classed_positions(exponents(), packed, sections[0], sections[1], device)
         index, by_position = torch.sort(in_class_order)
-    else:
-        low = _unpack_fixed(sections[0], m, low_bits)
-        ones = _unpack_bits(sections[1], _high_len(n, m, low_bits)).nonzero().squeeze(1)
-        if ones.numel() != m:
-            raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
-        index, by_position = ((ones - torch.arange(m, device=device)) << low_bits) | low, None
-        if int(index[-1]) >= n or bool((index[1:] <= index[:-1]).any()):
+        step, _ = _steps(packed, sections, 0, m, 0, device)
+        yield Steps(index, step[by_position])
+        return
+    yield from _sparse_steps(packed, sections, device, chunk)
+
+
+def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, chunk: int | None) -> Iterator[Steps]:
+    """A SPARSE payload's changes, a run of the unary high bits at a time: each set bit there is
+    one change, so `chunk` // 8 bytes of it hold at most `chunk` changes."""
+    n, m, low_bits = packed.n, packed.m, packed.low_bits
+    high_len = _high_len(n, m, low_bits)
+    high = sections[1]
+    span = high.numel() if chunk is None else max(1, chunk // 8)
+    seen, big, last = 0, 0, -1
+    for at in range(0, high.numel(), span):
+        bits = _unpack_bits(high[at : at + span], min(8 * span, high_len - 8 * at))
+        ones = bits.nonzero().squeeze(1) + 8 * at
+        count = ones.numel()
+        if not count:
+            continue
+        if seen + count > m:
+            raise FormatError(f"Elias-Fano high bits hold more than the {m} entries the header says")
+        first = seen - seen % 8  # eight values of `low_bits` bits fill whole bytes
+        low_bytes = sections[0][first // 8 * low_bits : -(-(seen + count) // 8) * low_bits]
+        low = _unpack_fixed(low_bytes, seen + count - first, low_bits)[seen - first :]
+        index = ((ones - torch.arange(seen, seen + count, device=device)) << low_bits) | low
+        if int(index[-1]) >= n or int(index[0]) <= last or bool((index[1:] <= index[:-1]).any()):
             raise FormatError("changed positions are out of range or not strictly increasing")
-    unit, positive = _unpack_bits(sections[2], m), _unpack_bits(sections[3], m)
-    if int(unit.sum()) != m - packed.k:
-        raise FormatError(f"tensor payload flags {m - int(unit.sum())} changes larger than one, header says {packed.k}")
-    planes = sections[4].view(2, packed.k)
+        step, larger = _steps(packed, sections, seen, count, big, device)
+        seen, last, big = seen + count, int(index[-1]), big + larger
+        yield Steps(index, step)
+    if seen != m:
+        raise FormatError(f"Elias-Fano high bits hold {seen} entries, header says {m}")
+
+
+def _steps(
+    packed: Packed, sections: list[Tensor], start: int, count: int, big: int, device: torch.device
+) -> tuple[Tensor, int]:
+    """The 16-bit steps of changes `start` ... `start + count - 1` (in coded order), `big` of the
+    changes before them larger than one; and how many of them are."""
+    first, end = start - start % 8, start + count
+    unit = _unpack_bits(sections[2][first // 8 : -(-end // 8)], end - first)[start - first :]
+    positive = _unpack_bits(sections[3][first // 8 : -(-end // 8)], end - first)[start - first :]
+    larger = count - int(unit.sum())
+    if big + larger > packed.k or (start + count == packed.m and big + larger != packed.k):
+        raise FormatError(f"tensor payload flags more changes larger than one than its header's {packed.k}")
+    if not larger:
+        return torch.where(positive, 1, -1).to(torch.int16), 0
+    planes = sections[4].view(2, packed.k)[:, big : big + larger]
     magnitude = torch.stack((planes[0], planes[1]), dim=1).view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
-    step = torch.ones(m, dtype=torch.int32, device=device)
+    step = torch.ones(count, dtype=torch.int32, device=device)
     step[~unit] = magnitude + 2
     step = torch.where(positive, step, -step)
-    if packed.k and bool(((step > 32767) | (step < -32768)).any()):
+    if bool(((step > 32767) | (step < -32768)).any()):
         raise FormatError("a tensor payload holds a change larger than 16 bits")
-    step = step.to(torch.int16) if by_position is None else step.to(torch.int16)[by_position]
-    return Steps(index, step)
+    return step.to(torch.int16), larger
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from .patch import LoadReport, PayloadView, RankState, views
 from .reader import ChainReader
 from .replica import exchange, exchange_bytes
 from .store import Store
-from .viewmap import ViewMap
+from .viewmap import Box, ViewMap
 
 __all__ = ["EngineFollower", "EngineStep"]
 
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
+_CHUNK = 1 << 16
+"""Changes decoded, checked and written at a time by a follower in sync: its memory beyond the
+engine is a few MB whatever the tensor (about 40 bytes a change while a chunk is decoded)."""
 
 
 @dataclass
@@ -64,11 +67,13 @@ class _Payload:
 
 @dataclass
 class EngineStep:
-    """A verified step, not yet written."""
+    """A verified step, not yet written: its parts, still compressed (a few bytes a change), which
+    `write` decodes again one payload at a time, so that no decoded step is held beside the engine."""
 
     step: int
-    states: list[RankState]
-    payloads: list[list[_Payload]]  # per trainer rank
+    states: list[RankState]  # per trainer rank, once written
+    chains: list[tuple[fmt.Part, ...]]  # per trainer rank, oldest first, from `held`
+    held: list[RankState] | None  # what the chains apply to (None: every chain starts at a base)
     report: LoadReport
     generation: int
 
@@ -152,29 +157,31 @@ class EngineFollower:
         if self.group is not None and len(set(exchange_bytes(mine, self.group, torch.device("cpu")))) > 1:
             held = None  # the workers disagree on what they hold: every one re-syncs from a base
         try:
-            states, payloads, fetched, share = self._prepare(step, held)
+            states, chains, changed, fetched, share = self._prepare(step, held)
         except DeltaError as err:
             if held is None or isinstance(err, StoreError):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
-            states, payloads, fetched, share = self._prepare(step, None)
+            held = None
+            states, chains, changed, fetched, share = self._prepare(step, None)
         report = LoadReport(
             step=step,
             kind=states[0].header.kind,
             parts_read=fetched,
             bytes_read=self.store.bytes_read - read_before,
             tensors=len(self._names),
-            changed=sum(p.changed for rank in payloads for p in rank),
+            changed=changed,
             seconds=time.perf_counter() - started,
             share_seconds=share,
             probe=states[0].probe,
         )
-        return EngineStep(step, states, payloads, report, generation)
+        return EngineStep(step, states, chains, held, report, generation)
 
     def _prepare(
         self, step: int, held: list[RankState] | None
-    ) -> tuple[list[RankState], list[list[_Payload]], int, float]:
-        """Every rank's verified patch, the parts this worker fetched, and the seconds of its fetch."""
+    ) -> tuple[list[RankState], list[tuple[fmt.Part, ...]], int, int, float]:
+        """Every rank's verified chain and state at `step`, the elements to write, the parts this
+        worker fetched, and the seconds of its fetch."""
         started = time.perf_counter()
         chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
@@ -182,10 +189,10 @@ class EngineFollower:
         if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
             self._check(held)  # a failure re-syncs from a base, which writes every element
         states: list[RankState] = []
-        payloads: list[list[_Payload]] = []
         partials: list[int] = []
         expected: list[tuple[int, int, int, int]] = []
         outcome: BaseException | None = None
+        changed, params = 0, self._params()
         try:
             for rank, parts in enumerate(chains):
                 first = parts[0].header if parts else None
@@ -198,10 +205,11 @@ class EngineFollower:
                 if parts and parts[-1].header.step != step:
                     raise ChainError(f"rank {rank}: the chain ends at step {parts[-1].header.step}, not {step}")
                 state = held[rank] if held else None
-                rank_payloads, sums = self._decode(rank, parts, state, partials, expected)
-                payloads.append(rank_payloads)
+                for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
+                    for patch in self._patches(rank, i, parts, state, params, partials, expected):
+                        changed += patch.changed
                 if parts:
-                    state = RankState(parts[-1].header, parts[-1].probe, tuple(sums))
+                    state = RankState(parts[-1].header, parts[-1].probe, tuple(e.checksum for e in parts[-1].entries))
                 assert state is not None  # no parts: the step is the one held
                 states.append(state)
         except DeltaError as err:
@@ -217,7 +225,7 @@ class EngineFollower:
                     f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
                     "does not reproduce the trainer's checksum from the values the engine holds"
                 )
-        return states, payloads, fetched, share
+        return states, chains, changed, fetched, share
 
     def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int, bool]:
         """Every rank's parts (oldest first), the parts this worker fetched, and whether the step is
@@ -252,79 +260,121 @@ class EngineFollower:
         base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
         return chains, sum(len(fetched[r][0]) for r in ours), base_step
 
-    def _decode(
+    def _patches(
         self,
         rank: int,
+        i: int,
         parts: tuple[fmt.Part, ...],
         held: RankState | None,
-        partials: list[int],
-        expected: list[tuple[int, int, int, int]],
-    ) -> tuple[list[_Payload], list[int]]:
-        """One rank's chain as one patch per payload; the partial checksum sums this worker owns go
-        into `partials`, what the group's sums must reach into `expected`."""
-        payload_views = views(self.run, rank)
-        patches = [_Payload() for _ in payload_views]
-        sums = list(held.checksums) if held is not None else [0] * len(patches)
+        params: Mapping[str, Tensor],
+        partials: list[int] | None = None,
+        expected: list[tuple[int, int, int, int]] | None = None,
+    ) -> Iterator[_Payload]:
+        """Payload `i` of `rank` at the end of its chain, as patches of the held state, each part's
+        payload decoded and verified in turn: a whole payload by its own checksum, a change by the
+        partial sums over the changes this worker owns, which go into `partials` with what the
+        group's sums must reach in `expected` (nothing is checked without them).  A step from the
+        state held (a follower in sync) comes a chunk of changes at a time, so its cost is bounded
+        by the chunk; a longer chain is composed into one patch first."""
+        view = views(self.run, rank)[i]
+        if len(parts) == 1 and held is not None:
+            yield from self._chunks(view, rank, i, parts[0], held.checksums[i], params, partials, expected)
+            return
+        patch, value = _Payload(), held.checksums[i] if held is not None else 0
         for part in parts:
-            for i, (entry, data, view) in enumerate(zip(part.entries, part.payloads, payload_views, strict=True)):
-                patch = patches[i]
-                steps = codec.decode_steps(
-                    data,
-                    numel=view.numel,
-                    dtype=view.dtype,
-                    device=self.device,
-                    exponents=functools.partial(self._exponents, view, patch),
-                )
-                if steps.whole is not None:
-                    bits = steps.whole.view(torch.int16)
-                    value = checksum(bits)
-                    if value != entry.checksum:
-                        raise ChecksumError(
-                            f"{self.store.url} rank {rank} step {part.header.step}: payload {i} does not reproduce "
-                            "the trainer's checksum"
-                        )
-                    patches[i] = _Payload(whole=bits)
+            entry, data = part.entries[i], part.payloads[i]
+            steps = codec.decode_steps(
+                data,
+                numel=view.numel,
+                dtype=view.dtype,
+                device=self.device,
+                exponents=functools.partial(self._exponents, view, patch, params),
+            )
+            where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
+            if steps.whole is not None:
+                bits = steps.whole.view(torch.int16)
+                patch = _Payload(whole=bits)
+                if partials is not None and checksum(bits) != entry.checksum:
+                    raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
+            else:
+                assert steps.index is not None and steps.step is not None
+                if steps.index.numel() != entry.changed:
+                    raise fmt.FormatError(
+                        f"{where} changes {steps.index.numel()} elements, its header says {entry.changed}"
+                    )
+                if patch.whole is not None:  # on top of a staged whole payload: every worker checks it
+                    old = patch.whole.index_select(0, steps.index)
+                    new = old + steps.step
+                    moved = (value + checksum_at(new, steps.index) - checksum_at(old, steps.index)) & _MASK64
+                    if partials is not None and moved != entry.checksum:
+                        raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
+                    patch.whole.index_copy_(0, steps.index, new)
                 else:
-                    assert steps.index is not None and steps.step is not None
-                    if steps.index.numel() != entry.changed:
-                        raise fmt.FormatError(
-                            f"{self.store.url} rank {rank} step {part.header.step}: payload {i} changes "
-                            f"{steps.index.numel()} elements, its header says {entry.changed}"
-                        )
-                    if patch.whole is not None:  # on top of a staged whole payload: every worker checks it
-                        old = patch.whole.index_select(0, steps.index)
-                        new = old + steps.step
-                        value = (sums[i] + checksum_at(new, steps.index) - checksum_at(old, steps.index)) & _MASK64
-                        if value != entry.checksum:
-                            raise ChecksumError(
-                                f"{self.store.url} rank {rank} step {part.header.step}: payload {i} does not "
-                                "reproduce the trainer's checksum"
-                            )
-                        patch.whole.index_copy_(0, steps.index, new)
-                    else:
-                        partials.append(self._partial(view, patch, steps.index, steps.step))
-                        expected.append((rank, i, part.header.step, (entry.checksum - sums[i]) & _MASK64))
-                        patches[i] = _compose(patch, steps.index, steps.step)
-                sums[i] = entry.checksum
-        return patches, sums
+                    if partials is not None and expected is not None:
+                        partials.append(self._partial(view, patch, steps.index, steps.step, params))
+                        expected.append((rank, i, part.header.step, (entry.checksum - value) & _MASK64))
+                    patch = _compose(patch, steps.index, steps.step)
+            value = entry.checksum
+        yield patch
+
+    def _chunks(
+        self,
+        view: PayloadView,
+        rank: int,
+        i: int,
+        part: fmt.Part,
+        value: int,
+        params: Mapping[str, Tensor],
+        partials: list[int] | None,
+        expected: list[tuple[int, int, int, int]] | None,
+    ) -> Iterator[_Payload]:
+        """One part's payload over the held state whose checksum is `value`, in chunks."""
+        entry, where = part.entries[i], f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
+        moved, count = 0, 0
+        for steps in codec.iter_steps(
+            part.payloads[i],
+            numel=view.numel,
+            dtype=view.dtype,
+            device=self.device,
+            exponents=functools.partial(self._exponents, view, _Payload(), params),
+            chunk=_CHUNK,
+        ):
+            if steps.whole is not None:  # a payload most of which changed, shipped whole
+                bits = steps.whole.view(torch.int16)
+                if partials is not None and checksum(bits) != entry.checksum:
+                    raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
+                yield _Payload(whole=bits)
+                return
+            assert steps.index is not None and steps.step is not None
+            count += steps.index.numel()
+            if partials is not None:
+                moved += self._partial(view, _Payload(), steps.index, steps.step, params)
+            yield _Payload(steps.index, steps.step)
+        if count != entry.changed:
+            raise fmt.FormatError(f"{where} changes {count} elements, its header says {entry.changed}")
+        if partials is not None and expected is not None:
+            partials.append(moved & _MASK64)
+            expected.append((rank, i, part.header.step, (entry.checksum - value) & _MASK64))
 
     # ------------------------------------------------------------------ reading the held state
 
-    def _held_bits(self, view: PayloadView, index: Tensor, owned_only: bool) -> tuple[Tensor, Tensor]:
-        """(payload positions of `index` this worker holds (or owns), their held bits)."""
-        found_at, found_bits = [], []
+    def _held_pieces(
+        self, view: PayloadView, index: Tensor, params: Mapping[str, Tensor], owned_only: bool
+    ) -> Iterator[tuple[slice | Tensor, Tensor]]:
+        """Of the ascending payload positions `index`, piece by piece, those this worker holds (or
+        owns): which they are (a slice of `index`, or their places in it) and their held bits."""
         for s, _, positions, where in view.pieces(index):
-            payload_positions = index[where]
-            for held, bits in self._tensor_bits(s.tensor, positions, owned_only):
-                found_at.append(payload_positions[held])
-                found_bits.append(bits)
-        if not found_at:
-            empty = torch.empty(0, dtype=torch.int64, device=index.device)
-            return empty, empty.to(torch.int16)
-        return torch.cat(found_at), torch.cat(found_bits)
+            for held, bits in self._tensor_bits(s.tensor, positions, params, owned_only):
+                if isinstance(held, slice):
+                    yield slice(where.start + held.start, where.start + held.stop), bits
+                else:
+                    yield held.nonzero().squeeze(1) + where.start, bits
 
-    def _tensor_bits(self, tensor: int, positions: Tensor, owned_only: bool) -> list[tuple[Tensor, Tensor]]:
-        """For flat positions of checkpoint tensor `tensor`: (mask of those held, their bits) per box."""
+    def _tensor_bits(
+        self, tensor: int, positions: Tensor, params: Mapping[str, Tensor], owned_only: bool
+    ) -> list[tuple[slice | Tensor, Tensor]]:
+        """For ascending flat positions of checkpoint tensor `tensor`, per box: those it holds (a
+        slice or a mask of `positions`) and their bits."""
         name = self._names[tensor]
         if name not in self.map.boxes:
             if owned_only and self.rank != 0:  # the kept copies are the same on every worker: rank 0 counts
@@ -332,8 +382,8 @@ class EngineFollower:
             if tensor not in self._kept:
                 raise SnapshotNotFoundError(f"{name} is not held yet")
             bits = self._kept[tensor].index_select(0, positions.cpu()).to(positions.device)
-            return [(torch.ones_like(positions, dtype=torch.bool), bits)]
-        params, out = self._params(), []
+            return [(slice(0, positions.numel()), bits)]
+        out: list[tuple[slice | Tensor, Tensor]] = []
         for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
             if owned_only and not owned:
                 continue
@@ -342,17 +392,20 @@ class EngineFollower:
             out.append((held, flat.index_select(0, target.to(flat.device)).to(positions.device)))
         return out
 
-    def _partial(self, view: PayloadView, patch: _Payload, index: Tensor, step: Tensor) -> int:
+    def _partial(
+        self, view: PayloadView, patch: _Payload, index: Tensor, step: Tensor, params: Mapping[str, Tensor]
+    ) -> int:
         """This worker's share of how the checksum moves when `step` is added at `index` to the held
         state with `patch` applied: over the changed positions it owns."""
-        at, old = self._held_bits(view, index, owned_only=True)
-        if patch.index is not None and at.numel():
-            old = old + _overlay(patch, at)
-        where = torch.searchsorted(index, at)
-        new = old + step.index_select(0, where)
-        return (checksum_at(new, at) - checksum_at(old, at)) & _MASK64
+        total = 0
+        for held, old in self._held_pieces(view, index, params, owned_only=True):
+            at = index[held]
+            if patch.index is not None:
+                old = old + _overlay(patch, at)
+            total += checksum_at(old + step[held], at) - checksum_at(old, at)
+        return total & _MASK64
 
-    def _exponents(self, view: PayloadView, patch: _Payload) -> Tensor:
+    def _exponents(self, view: PayloadView, patch: _Payload, params: Mapping[str, Tensor]) -> Tensor:
         """The exponent bytes of the whole payload in the held state with `patch` applied: each
         worker fills in what it holds, and the group takes the maximum (the rest are zeros)."""
         if patch.whole is not None:
@@ -365,44 +418,46 @@ class EngineFollower:
                     kept = self._kept[s.tensor][s.start : s.start + s.numel]
                     out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).cpu()
                 continue
-            params = self._params()
             for box in self.map.boxes[name]:
-                for source, target in box.positions(self._shapes[s.tensor]):
-                    inside = (source >= s.start) & (source < s.start + s.numel)
-                    flat = _flat(params[box.param])
-                    bits = flat.index_select(0, target[inside].to(flat.device))
-                    out[source[inside] - s.start + offset] = codec.exponent_bytes(bits.view(view.dtype)).cpu()
+                flat = _flat(params[box.param])
+                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
+                    bits = flat[_on(target, flat.device)]
+                    out[_shift(source, offset)] = codec.exponent_bytes(bits.view(view.dtype)).cpu()
         if patch.index is not None and patch.index.numel():
-            at, old = self._held_bits(view, patch.index, owned_only=False)
-            new = old + _overlay(patch, at)
-            out[at.cpu()] = codec.exponent_bytes(new.view(view.dtype)).cpu()
+            for held, old in self._held_pieces(view, patch.index, params, owned_only=False):
+                at = patch.index[held]
+                new = old + _overlay(patch, at)
+                out[at.cpu()] = codec.exponent_bytes(new.view(view.dtype)).cpu()
         if self.group is not None:
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.to(self.device)
 
     # ------------------------------------------------------------------ write
 
-    def write(self, prepared: EngineStep) -> float:
+    def write(self, prepared: EngineStep, check: bool = False) -> float:
         """Write a verified step into the engine (the positions this worker holds, and the kept
         copies, then the engine's reload if one of those changed); returns the seconds it took.
 
-        The changes are checked once more against the values they are written over, with the
-        group, before the first write: a step decoded ahead (prefetched) while a weight was changed
-        behind the follower's back raises `ChecksumError` here, and nothing is written.
+        With `check` (a step verified ahead, while the engine served), its changes are checked once
+        more against the values they will be written over, with the group, before the first write:
+        if a weight was changed behind the follower's back meanwhile, `ChecksumError`, and nothing
+        is written.
         """
-        additive = any(p.index is not None for rank in prepared.payloads for p in rank)
-        if prepared.generation != self._generation or (self._held is None and additive):
+        if prepared.generation != self._generation:
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
         started = time.perf_counter()
-        self._check_changes(prepared)
+        if check and prepared.held is not None:
+            self._check_changes(prepared)
         params = self._params()
         reload = False
-        for rank, rank_payloads in enumerate(prepared.payloads):
-            for view, patch in zip(views(self.run, rank), rank_payloads, strict=True):
-                if patch.whole is None and (patch.index is None or not patch.index.numel()):
-                    continue
-                for s, offset in zip(view.slices, view.offsets, strict=False):
-                    reload |= self._write_slice(s, offset, patch, params)
+        for rank, parts in enumerate(prepared.chains):
+            held = prepared.held[rank] if prepared.held else None
+            for i, view in enumerate(views(self.run, rank)):
+                for patch in self._patches(rank, i, parts, held, params):
+                    if patch.whole is None and (patch.index is None or not patch.index.numel()):
+                        continue
+                    for s, offset in zip(view.slices, view.offsets, strict=False):
+                        reload |= self._write_slice(s, offset, patch, params)
         if reload:
             if self._reload is None:
                 raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
@@ -411,21 +466,27 @@ class EngineFollower:
         return time.perf_counter() - started
 
     def _check_changes(self, prepared: EngineStep) -> None:
-        """Whether the additive patches take the values the engine holds now to the trainer's
-        checksums: partial sums over the owned changes, summed over the group."""
-        partials, expected = [], []
-        for rank, (state, rank_payloads) in enumerate(zip(prepared.states, prepared.payloads, strict=True)):
-            for i, (view, patch) in enumerate(zip(views(self.run, rank), rank_payloads, strict=True)):
-                if patch.index is None or self._held is None:
-                    continue
-                partials.append(self._partial(view, _Payload(), patch.index, patch.step))  # type: ignore[arg-type]
-                expected.append((rank, i, (state.checksums[i] - self._held[rank].checksums[i]) & _MASK64))
+        """Whether the changes take the values the engine holds now to the trainer's checksums:
+        partial sums over the owned changes, summed over the group."""
+        assert prepared.held is not None
+        partials, expected, params = [], [], self._params()
+        for rank, (parts, state, held) in enumerate(zip(prepared.chains, prepared.states, prepared.held, strict=True)):
+            for i, view in enumerate(views(self.run, rank)):
+                moved, whole = 0, False
+                for patch in self._patches(rank, i, parts, held, params):
+                    if patch.index is None or patch.step is None:
+                        whole = True
+                        continue
+                    moved += self._partial(view, _Payload(), patch.index, patch.step, params)
+                if not whole:
+                    partials.append(moved & _MASK64)
+                    expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
         for (rank, i, want), got in zip(expected, self._sum(partials), strict=True):
             if got != want:
                 self._held = None  # the engine's weights are not the step held: the next write is whole
                 raise ChecksumError(
                     f"rank {rank} payload {i}: the engine's weights changed behind the follower's back since step "
-                    f"{prepared.step} was decoded; nothing was written, and the next step is written whole"
+                    f"{prepared.step} was verified; nothing was written, and the next step is written whole"
                 )
 
     def update(self, step: int | None) -> tuple[EngineStep, bool, float]:
@@ -434,7 +495,7 @@ class EngineFollower:
         engine's weights is loaded again from a base, which writes every element."""
         prepared, prefetched = self.take(step)
         try:
-            return prepared, prefetched, self.write(prepared)
+            return prepared, prefetched, self.write(prepared, check=prefetched)
         except ChecksumError as err:
             log.warning("%s; loading step %d from its base", err, prepared.step)
             prepared = self.prepare(prepared.step)
@@ -452,10 +513,8 @@ class EngineFollower:
                 return True
             for box in self.map.boxes[name]:
                 flat = _flat(params[box.param])
-                for source, target in box.positions(self._shapes[s.tensor]):
-                    inside = (source >= s.start) & (source < s.start + s.numel)
-                    picked = values.index_select(0, (source[inside] - s.start).to(values.device))
-                    flat.index_copy_(0, target[inside].to(flat.device), picked.to(flat.device))
+                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
+                    flat[_on(target, flat.device)] = values[_on(source, values.device)].to(flat.device)
             return False
         assert patch.index is not None and patch.step is not None
         bounds = torch.tensor([offset, offset + s.numel], device=patch.index.device)
@@ -497,10 +556,10 @@ class EngineFollower:
             raise
 
     def _check(self, held: list[RankState]) -> None:
-        partials, expected = [], []
+        partials, expected, params = [], [], self._params()
         for rank, state in enumerate(held):
             for i, view in enumerate(views(self.run, rank)):
-                partials.append(self._owned_sum(view))
+                partials.append(self._owned_sum(view, params))
                 expected.append((rank, i, state.header.step, state.checksums[i]))
         for (rank, i, step, want), got in zip(expected, self._sum(partials), strict=True):
             if got != want:
@@ -509,9 +568,8 @@ class EngineFollower:
                     f"{step}: they were changed behind the follower's back; the next step is written whole"
                 )
 
-    def _owned_sum(self, view: PayloadView) -> int:
+    def _owned_sum(self, view: PayloadView, params: Mapping[str, Tensor]) -> int:
         total = 0
-        params = self._params()
         for s, offset in zip(view.slices, view.offsets, strict=False):
             name = self._names[s.tensor]
             if name not in self.map.boxes:
@@ -522,10 +580,12 @@ class EngineFollower:
                 if not owned:
                     continue
                 flat = _flat(params[box.param])
-                for source, target in box.positions(self._shapes[s.tensor]):
-                    inside = (source >= s.start) & (source < s.start + s.numel)
-                    bits = flat.index_select(0, target[inside].to(flat.device))
-                    total += checksum_at(bits, (source[inside] - s.start + offset).to(flat.device))
+                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
+                    bits = flat[_on(target, flat.device)]
+                    if isinstance(source, slice):
+                        total += checksum(bits, offset + source.start)
+                    else:
+                        total += checksum_at(bits, (source + offset).to(flat.device))
         return total & _MASK64
 
     # ------------------------------------------------------------------ prefetch
@@ -626,6 +686,30 @@ def _compose(patch: _Payload, index: Tensor, step: Tensor) -> _Payload:
     total.index_add_(0, inverse[: patch.index.numel()], patch.step)
     total.index_add_(0, inverse[patch.index.numel() :], step)  # int16 wraps: steps add mod 2**16
     return _Payload(union, total)
+
+
+def _runs(box: Box, shape: Sequence[int], start: int, numel: int) -> Iterator[tuple[slice | Tensor, slice | Tensor]]:
+    """The elements of flat checkpoint positions [start, start + numel) that `box` holds, in
+    chunks: (their places in that range, their flat positions in the parameter), as one pair of
+    slices where the box is one run of the checkpoint tensor."""
+    first = box.run_start(shape)
+    if first is not None:
+        lo, hi = max(first, start), min(first + box.numel, start + numel)
+        if hi > lo:
+            yield slice(lo - start, hi - start), slice(box.offset + lo - first, box.offset + hi - first)
+        return
+    for source, target in box.positions(shape):
+        inside = (source >= start) & (source < start + numel)
+        if bool(inside.any()):
+            yield source[inside] - start, target[inside]
+
+
+def _on(where: slice | Tensor, device: torch.device) -> slice | Tensor:
+    return where if isinstance(where, slice) else where.to(device)
+
+
+def _shift(where: slice | Tensor, by: int) -> slice | Tensor:
+    return slice(where.start + by, where.stop + by) if isinstance(where, slice) else where + by
 
 
 def _flat(tensor: Tensor) -> Tensor:

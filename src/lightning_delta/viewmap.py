@@ -46,13 +46,29 @@ class Box:
         """What part of the checkpoint tensor it holds (the same for every worker that holds it)."""
         return self.start, self.shape
 
-    def locate(self, index: Tensor, tensor_shape: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Of the flat checkpoint positions `index`, which lie in the box (a mask), and where those
-        are in the parameter's flat storage (its positions, in the order of `index`)."""
+    def run_start(self, tensor_shape: Sequence[int]) -> int | None:
+        """Where the box starts in the flat checkpoint tensor, if its elements lie there in one run
+        in the parameter's order (whole rows, laid out as in the checkpoint: a whole tensor, a
+        slice of rows); None otherwise."""
+        whole_rows = self.start[1:] == (0,) * (len(self.start) - 1) and tuple(self.shape[1:]) == tuple(tensor_shape[1:])
+        if not whole_rows or tuple(self.strides) != tuple(_row_major(self.shape)):
+            return None
+        return self.start[0] * _row_major(tensor_shape)[0] if self.start else 0
+
+    def locate(self, index: Tensor, tensor_shape: Sequence[int]) -> tuple[slice | Tensor, Tensor]:
+        """Of the ascending flat checkpoint positions `index`, which lie in the box (a slice of
+        `index` where it is one run, else a mask), and where those are in the parameter's flat
+        storage (in the order of `index`)."""
+        first = self.run_start(tensor_shape)
+        if first is not None:  # a shift
+            bounds = torch.tensor([first, first + self.numel], dtype=index.dtype, device=index.device)
+            lo, hi = torch.searchsorted(index, bounds).tolist()
+            return slice(lo, hi), index[lo:hi] + (self.offset - first)
+        strides = _row_major(tensor_shape)
         inside = torch.ones(index.numel(), dtype=torch.bool, device=index.device)
         target = torch.full_like(index, self.offset)
         for size, stride, start, extent, step in zip(
-            tensor_shape, _row_major(tensor_shape), self.start, self.shape, self.strides, strict=True
+            tensor_shape, strides, self.start, self.shape, self.strides, strict=True
         ):
             at = (index // stride) % size - start
             inside &= (at >= 0) & (at < extent)

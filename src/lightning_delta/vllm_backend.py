@@ -115,6 +115,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     """The step the engine's weights are at."""
     last_report: LoadReport | None = None
     """What the last applied step took: parts and bytes read, elements written, seconds."""
+    last_write_seconds: float | None = None
+    """How long the last applied step took to write into the engine's weights."""
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
         from vllm.config import set_current_vllm_config
@@ -179,7 +181,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             if self._last:
                 raise
             return
-        self.applied, self.last_report = prepared.step, prepared.report
+        self.applied, self.last_report, self.last_write_seconds = prepared.step, prepared.report, wrote
         report = prepared.report
         log.info(
             "lightning_delta: applied step %d in %.1f ms (writing %.1f ms; %s; %d elements written, %d bytes read)",
