@@ -13,6 +13,9 @@ Prints one table:
     (fp32 masters, bf16 shipped), beyond the masters, per shard element;
   * codec: diff + pack of a 2 GB bf16 shard at 2% changed (SPARSE, `Context.NONE`), next to a
     device memcpy of it (the goal is <= 5 ms on an H200), and its decode on the device;
+  * engine: the live-engine follower (what the vLLM backend runs) takes steps at 2% and 0.5% into
+    a 1 GB bf16 model in device memory, against a dense reload of it from host memory, and its
+    peak device memory beyond the model;
   * `scripts/bench_device.py` is the rest of the device-side numbers (run it after this).
 """
 
@@ -27,7 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, LoaderSettings, PublisherSettings, codec
+from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, LoaderSettings, PublisherSettings, Store, codec
+from lightning_delta.engine import EngineFollower
+from lightning_delta.viewmap import ViewMap
 
 ROWS: list[tuple[str, str]] = []
 
@@ -186,10 +191,67 @@ def codec_check(device: torch.device, scale: float) -> None:
     )
 
 
+def engine_check(device: torch.device, scale: float) -> None:
+    """The live-engine follower (`EngineFollower`, what the vLLM backend runs) on a model of four
+    2^27-element bf16 tensors in device memory, against a dense reload of them from host memory."""
+    numel = max(int((1 << 27) * scale), 1 << 12)
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16).to(device) for i in range(4)}
+    params = {name: torch.zeros_like(t) for name, t in state.items()}
+    fractions = {2: 0.02, 3: 0.02, 4: 0.005, 5: 0.005}
+    with tempfile.TemporaryDirectory() as tmp:
+        with DeltaPublisher(tmp, state, PublisherSettings(base_every=100)) as publisher:  # AUTO: CLASSED on a GPU
+            publisher.publish(1)
+            truth = {1: {k: v.clone() for k, v in state.items()}}
+            for step, fraction in fractions.items():
+                for t in state.values():
+                    moved = torch.rand(t.numel(), generator=g).to(device) < fraction
+                    t.view(torch.int16)[moved] += 1
+                publisher.publish(step)
+                truth[step] = {k: v.clone() for k, v in state.items()}
+        store = Store(tmp)
+        specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
+        view_map = ViewMap.learn(specs, lambda name, t: params[name].copy_(t), params)
+        follower = EngineFollower(store, view_map, lambda: params, None, device=device)
+        follower.write(follower.prepare(1))
+        timings: dict[float, list[float]] = {0.02: [], 0.005: []}
+        exact, peak = True, 0
+        for step, fraction in fractions.items():
+            synchronized(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            started = time.perf_counter()
+            follower.update(step)
+            synchronized(device)
+            timings[fraction].append(time.perf_counter() - started)
+            if device.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
+            exact &= all(torch.equal(params[k].view(torch.int16), v.view(torch.int16)) for k, v in truth[step].items())
+    pinned = {k: v.cpu().pin_memory() if device.type == "cuda" else v.cpu() for k, v in state.items()}
+    pageable = {k: v.cpu() for k, v in state.items()}
+    dense_pinned = timed(device, lambda: [params[k].copy_(v) for k, v in pinned.items()])
+    dense = timed(device, lambda: [params[k].copy_(v) for k, v in pageable.items()])
+    total = 2 * 4 * numel
+    row(
+        f"engine follower, {total / 1e9:.2f} GB bf16 in device memory: update_weights at 2% / 0.5% changed",
+        f"{min(timings[0.02]) * 1e3:.1f} / {min(timings[0.005]) * 1e3:.1f} ms, every step bit-exact: {exact}",
+    )
+    row(
+        "a dense reload of it from pinned / pageable host memory",
+        f"{dense_pinned * 1e3:.1f} / {dense * 1e3:.1f} ms",
+    )
+    row(
+        "engine follower peak device memory beyond the model during a delta step",
+        f"{peak / 2**20:.0f} MiB ({peak / total:.3f}x the model)" if device.type == "cuda" else "n/a on the CPU",
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scale", type=float, default=1.0, help="shrink every size (the CPU smoke run)")
+    p.add_argument("--checks", nargs="*", default=["follow", "memory", "codec", "engine"], help="which checks")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -197,9 +259,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"GPU check on {name}, torch {torch.__version__}, scale {args.scale}", flush=True)
-    follow_check(device, args.scale)
-    memory_check(device, args.scale)
-    codec_check(device, args.scale)
+    checks = {"follow": follow_check, "memory": memory_check, "codec": codec_check, "engine": engine_check}
+    for name in args.checks:
+        checks[name](device, args.scale)
     print("\n| check | result |\n|---|---|")
     for what, value in ROWS:
         print(f"| {what} | {value} |")

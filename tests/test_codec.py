@@ -420,6 +420,21 @@ def test_positions_must_strictly_increase():
         codec.decode(old, bytes(payload))
 
 
+def test_high_bits_must_hold_every_change_the_header_counts():
+    """One piece or in chunks: a set high bit cleared is one change fewer than the header's."""
+    old = torch.zeros(64, dtype=torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    new[[3, 8]] = 1
+    payload = bytearray(codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE)))
+    high_at = 11 + 2 + 1 + 2  # the header, the 1-byte low section with its prefix, the high one's prefix
+    assert payload[high_at] == 0b011
+    payload[high_at] = 0b001
+    for chunk in (None, 1):
+        assert isinstance(_pieces(bytes(payload), old, chunk), FormatError)
+    with pytest.raises(FormatError, match="hold 1 entries, header says 2"):
+        codec.decode(old, bytes(payload))
+
+
 def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torch.Tensor, bytes]:
     """The golden CLASSED payload's 16 changes of exponent 0x7E with another class table."""
     old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)

@@ -288,5 +288,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    jobs.end()
+    main()  # ends with Python's finalization: vLLM shuts its worker processes down there

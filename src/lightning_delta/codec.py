@@ -608,7 +608,8 @@ def decode_steps(
     positions and each one's 16-bit step.  A worker that holds only a slice of the old tensor
     applies the steps at the positions it holds; only a CLASSED payload needs `exponents()` of
     the whole old tensor, to find its positions."""
-    return next(iter_steps(payload, numel=numel, dtype=dtype, device=device, exponents=exponents, out=out))
+    (steps,) = iter_steps(payload, numel=numel, dtype=dtype, device=device, exponents=exponents, out=out)
+    return steps  # unpacked, not `next`: the piece's checks after its yield run too
 
 
 def iter_steps(
@@ -621,10 +622,11 @@ def iter_steps(
     out: Tensor | None = None,
     chunk: int | None = None,
 ) -> Iterator[Steps]:
-    """`decode_steps` in pieces: a SPARSE payload's changes in ascending runs of at most `chunk`
-    of them (what it costs to decode is then bounded by the chunk, not by the tensor); a RAW or
-    CLASSED payload in one piece.  A malformed payload raises `FormatError` at the latest once its
-    last piece is due, so a caller that must not act on a bad payload consumes every piece first."""
+    """`decode_steps` in pieces: a SPARSE payload's changes in ascending runs of about `chunk` of
+    them (never more than five times that: what it costs to decode is bounded by the chunk, not by
+    the tensor); a RAW or CLASSED payload in one piece.  A malformed payload raises `FormatError`
+    at the latest when the iterator is exhausted, so a caller that must not act on a bad payload
+    consumes every piece first."""
     packed = parse(payload, numel)
     if packed.dtype != dtype:
         raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
@@ -656,12 +658,14 @@ def iter_steps(
 
 
 def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, chunk: int | None) -> Iterator[Steps]:
-    """A SPARSE payload's changes, a run of the unary high bits at a time: each set bit there is
-    one change, so `chunk` // 8 bytes of it hold at most `chunk` changes."""
+    """A SPARSE payload's changes, a run of the unary high bits at a time: each set bit there is one
+    change, and a run spans `chunk` changes' worth of bits on average (`high_len / m`, under 5: the
+    low bits are chosen so that there are fewer than four buckets a change), so no run holds more
+    than five times `chunk`."""
     n, m, low_bits = packed.n, packed.m, packed.low_bits
     high_len = _high_len(n, m, low_bits)
     high = sections[1]
-    span = high.numel() if chunk is None else max(1, chunk // 8)
+    span = high.numel() if chunk is None else max(1, -(-chunk * high_len // (8 * m)))
     seen, big, last = 0, 0, -1
     for at in range(0, high.numel(), span):
         bits = _unpack_bits(high[at : at + span], min(8 * span, high_len - 8 * at))

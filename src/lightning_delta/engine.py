@@ -46,9 +46,13 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
-_CHUNK = 1 << 16
-"""Changes decoded, checked and written at a time by a follower in sync: its memory beyond the
-engine is a few MB whatever the tensor (about 40 bytes a change while a chunk is decoded)."""
+_CHUNK = 1 << 14
+"""The fewest changes decoded, checked and written at a time by a follower in sync; more where the
+worker holds more (`_CHUNK_SHARE`), since each chunk costs a few host syncs on a GPU."""
+_CHUNK_SHARE = 0.0025
+"""A chunk's memory (about 40 bytes a change while it is decoded) is at most this share of the
+bytes the worker holds, or `_CHUNK` changes: the follower's memory beyond the engine is bounded
+by the chunk, whatever the tensor."""
 
 
 @dataclass
@@ -116,6 +120,9 @@ class EngineFollower:
         specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
         described = self._gather_json(view_map.describe())
         self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
+        held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes) * 2
+        held += sum(2 * t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
+        self._chunk = max(_CHUNK, int(held * _CHUNK_SHARE) // 40)
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
         self._held: list[RankState] | None = None
         self._generation = 0
@@ -337,7 +344,7 @@ class EngineFollower:
             dtype=view.dtype,
             device=self.device,
             exponents=functools.partial(self._exponents, view, _Payload(), params),
-            chunk=_CHUNK,
+            chunk=self._chunk,
         ):
             if steps.whole is not None:  # a payload most of which changed, shipped whole
                 bits = steps.whole.view(torch.int16)
@@ -410,24 +417,25 @@ class EngineFollower:
         worker fills in what it holds, and the group takes the maximum (the rest are zeros)."""
         if patch.whole is not None:
             return codec.exponent_bytes(patch.whole.view(view.dtype))
-        out = torch.zeros(view.numel, dtype=torch.uint8)  # on the CPU, where a gloo group reduces
+        where = torch.device("cpu") if self.group is not None else self.device  # a gloo group reduces on the CPU
+        out = torch.zeros(view.numel, dtype=torch.uint8, device=where)
         for s, offset in zip(view.slices, view.offsets, strict=False):
             name = self._names[s.tensor]
             if name not in self.map.boxes:
                 if s.tensor in self._kept:
                     kept = self._kept[s.tensor][s.start : s.start + s.numel]
-                    out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).cpu()
+                    out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).to(where)
                 continue
             for box in self.map.boxes[name]:
                 flat = _flat(params[box.param])
                 for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
                     bits = flat[_on(target, flat.device)]
-                    out[_shift(source, offset)] = codec.exponent_bytes(bits.view(view.dtype)).cpu()
+                    out[_on(_shift(source, offset), where)] = codec.exponent_bytes(bits.view(view.dtype)).to(where)
         if patch.index is not None and patch.index.numel():
             for held, old in self._held_pieces(view, patch.index, params, owned_only=False):
                 at = patch.index[held]
                 new = old + _overlay(patch, at)
-                out[at.cpu()] = codec.exponent_bytes(new.view(view.dtype)).cpu()
+                out[at.to(where)] = codec.exponent_bytes(new.view(view.dtype)).to(where)
         if self.group is not None:
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.to(self.device)
