@@ -47,12 +47,14 @@ log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
 _CHUNK = 1 << 14
-"""The fewest changes decoded, checked and written at a time by a follower in sync; more where the
-worker holds more (`_CHUNK_SHARE`), since each chunk costs a few host syncs on a GPU."""
-_CHUNK_SHARE = 0.0025
-"""A chunk's memory (about 40 bytes a change while it is decoded) is at most this share of the
-bytes the worker holds, or `_CHUNK` changes: the follower's memory beyond the engine is bounded
-by the chunk, whatever the tensor."""
+"""The fewest changes decoded, checked and written at a time by a follower in sync: its memory
+beyond the engine is bounded by a chunk (100-300 bytes a change while one is decoded), whatever
+the tensor."""
+_CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
+"""More changes a chunk where the worker holds more elements, as each chunk has a fixed cost,
+larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
+0.054x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
+(scripts/gpu_check.py)."""
 
 
 @dataclass
@@ -120,9 +122,10 @@ class EngineFollower:
         specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
         described = self._gather_json(view_map.describe())
         self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
-        held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes) * 2
-        held += sum(2 * t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
-        self._chunk = max(_CHUNK, int(held * _CHUNK_SHARE) // 40)
+        held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes)
+        held += sum(t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
+        per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
+        self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
         self._held: list[RankState] | None = None
         self._generation = 0
