@@ -200,7 +200,7 @@ def engine_check(device: torch.device, scale: float) -> None:
     params = {name: torch.zeros_like(t) for name, t in state.items()}
     fractions = {2: 0.02, 3: 0.02, 4: 0.005, 5: 0.005}
     with tempfile.TemporaryDirectory() as tmp:
-        with DeltaPublisher(tmp, state, PublisherSettings(base_every=100)) as publisher:  # AUTO: CLASSED on a GPU
+        with DeltaPublisher(tmp, state, PublisherSettings(base_every=100)) as publisher:  # uniform changes: SPARSE
             publisher.publish(1)
             truth = {1: {k: v.clone() for k, v in state.items()}}
             for step, fraction in fractions.items():

@@ -13,18 +13,21 @@ from conftest import ROOT, replace_blob, torchrun
 from fused import DIM, HIDDEN, Engine, checkpoint
 from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store
 from lightning_delta import format as fmt
-from lightning_delta.codec import CodecOptions, Context
+from lightning_delta import codec
+from lightning_delta.codec import CodecOptions, Context, Mode
 from lightning_delta import engine as engine_module
 from lightning_delta.engine import EngineFollower
+from lightning_delta.patch import views
 from lightning_delta.viewmap import Box, ViewMap
 
 STEPS = 8
 
 
 def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, torch.Tensor]]:
-    """A chain of the checkpoint: bases at 1 and 5, 5% of the elements change per step (by one
-    ULP: a delta codes them SPARSE or CLASSED, never whole).  Under torchrun, each rank publishes
-    its share."""
+    """A chain of the checkpoint: bases at 1 and 5, 5% of the elements change per step by one ULP,
+    only among the smallest quarter (by magnitude), as under Adam at its extreme: a delta is coded
+    SPARSE, or CLASSED with `Context.EXPONENT`, never whole.  Under torchrun, each rank
+    publishes its share."""
     state, truth = checkpoint(), {}
     settings = PublisherSettings(base_every=4, codec=CodecOptions(context=context))
     with DeltaPublisher(url, lambda: state, settings) as publisher:
@@ -32,7 +35,9 @@ def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, to
             g = torch.Generator().manual_seed(step)
             for tensor in state.values():
                 bits = tensor.view(torch.int16).view(-1)
-                bits[torch.rand(bits.numel(), generator=g) < 0.05] += 1
+                size = tensor.float().abs().view(-1)
+                small = size <= size.quantile(0.25)
+                bits[(torch.rand(bits.numel(), generator=g) < 0.2) & small] += 1
             truth[step] = {k: v.clone() for k, v in state.items()}
             publisher.publish(step)
     return truth
@@ -97,8 +102,10 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
         assert torch.equal(engine.rope.cpu(), truth[step]["layer.rope"])  # the reloaded tensor
         if step in (2, 3, 7, 8):  # a delta: only its changes are written
             store = Store(store_url)
-            changes = sum(e.changed for e in store.read_part(step, 0, 1).entries)
-            assert prepared.report.changed == changes
+            part = store.read_part(step, 0, 1)
+            assert prepared.report.changed == sum(e.changed for e in part.entries)
+            mode = Mode.CLASSED if context == Context.EXPONENT else Mode.SPARSE
+            assert [codec.parse(p, v.numel).mode for v, p in zip(views(store.run(), 0), part.payloads)] == [mode]
     assert engine.qkv.data_ptr() == storage  # in place
     live.verify()
 
@@ -156,6 +163,7 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
         assert report["exact"] == [True] * 4 and report["untouched"] == [True, True]
         assert [step for step, _ in report["errors"]] == [7, 8]  # 8's chain passes the damaged 7
         assert report["tampered"] == "ChecksumError" and report["refused"] == ["layer.rope"]
+        assert report["warned"] == 1  # CLASSED payloads in a TP group: said once, with the way out
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]

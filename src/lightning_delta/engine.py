@@ -129,6 +129,7 @@ class EngineFollower:
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
         self._held: list[RankState] | None = None
         self._generation = 0
+        self._warned_classed = False
         self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
 
     # ------------------------------------------------------------------ facts
@@ -420,6 +421,14 @@ class EngineFollower:
         worker fills in what it holds, and the group takes the maximum (the rest are zeros)."""
         if patch.whole is not None:
             return codec.exponent_bytes(patch.whole.view(view.dtype))
+        if self.group is not None and not self._warned_classed:
+            self._warned_classed = True
+            log.warning(
+                "%s: a payload is coded with the exponent context (CLASSED): every step, each worker gathers the "
+                "exponent bytes of the whole tensor, work in the size of the tensor, not of the change; publish "
+                "for tensor-parallel engines with CodecOptions(context=Context.NONE) (Hydra: delta.codec.context=NONE)",
+                self.store.url,
+            )
         where = torch.device("cpu") if self.group is not None else self.device  # a gloo group reduces on the CPU
         out = torch.zeros(view.numel, dtype=torch.uint8, device=where)
         for s, offset in zip(view.slices, view.offsets, strict=False):
