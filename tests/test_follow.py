@@ -22,6 +22,7 @@ from lightning_delta import (
     Store,
     StoreError,
 )
+from lightning_delta.patch import StepPatch
 from lightning_delta import format as fmt
 from tinylm import TinyLM
 
@@ -149,6 +150,44 @@ def test_a_corrupt_step_never_reaches_the_live_model(store_url):
     assert_exact(followed, trainer.truth)
     assert all(bitwise_equal(t, trainer.truth[5][n]) for n, t in bf16_state(live).items())
     follower.close()
+    trainer.publisher.close()
+
+
+def test_a_step_the_caller_leaves_late_does_not_let_the_next_be_decoded_early(store_url):
+    """The caller ends its turn with a step only once the follower has decoded the next (a slow
+    generation, a busy machine): the follower must still wait for that next step's write before it
+    decodes the one after, or it decodes against a state about to be replaced (seen in CI as
+    "step 9 was decoded against a state the loader no longer holds")."""
+    trainer = Trainer(store_url, base_every=10)
+    trainer.steps(5)
+    loader, listed = DeltaLoader(store_url), Progress()
+    decoding: dict[int, threading.Event] = {step: threading.Event() for step in range(1, 6)}
+    against: dict[int, int | None] = {}
+    steps, prepare = loader.steps, loader.prepare
+
+    def listing(after: int | None = None) -> list[int]:
+        out = steps(after)
+        if after is not None:
+            listed.saw(after)  # having decoded step `after`, the follower counts the steps newer than it
+        return out
+
+    def decode(step: int) -> StepPatch:
+        against[step] = loader.held_step
+        decoding[step].set()
+        return prepare(step)
+
+    loader.steps, loader.prepare = listing, decode  # type: ignore[method-assign]
+    live, seen = TinyLM(), []
+    for followed in until(loader.follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120)), 5):
+        if followed.step > 1 and followed.step < 5:
+            decoding[followed.step + 1].wait(0.2)  # room for an early decode to start: none may
+        followed.apply_to(live)
+        assert all(bitwise_equal(t, trainer.truth[followed.step][n]) for n, t in bf16_state(live).items())
+        seen.append(followed.step)
+        if followed.step < 5:
+            listed.wait_for(followed.step + 1)  # the next step is decoded and on its way out
+    assert seen == [1, 2, 3, 4, 5]
+    assert against == {1: None, 2: 1, 3: 2, 4: 3, 5: 4}  # each decoded against the step before it
     trainer.publisher.close()
 
 

@@ -12,6 +12,7 @@ next base.  Every decision is taken in that thread and, with a replica, agreed b
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -145,16 +146,20 @@ _NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # decisions besides a step number
 
 class _Turn:
     """Whose turn it is: the producer decodes only once the caller settled the step handed out
-    (and, without prefetch, asked for the next one)."""
+    last (and, without prefetch, asked for the next one)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._settled, self._asked, self._stopped = True, False, False
+        self._handed = 0  # steps handed out so far
 
-    def settle(self) -> None:
+    def settle(self, handed: int) -> None:
+        """The caller is done with the `handed`-th step; an earlier step settled late (a caller
+        leaves its loop body after the next step was handed out) changes nothing."""
         with self._changed:
-            self._settled = True
-            self._changed.notify_all()
+            if handed == self._handed:
+                self._settled = True
+                self._changed.notify_all()
 
     def ask(self) -> None:
         with self._changed:
@@ -180,9 +185,11 @@ class _Turn:
         with self._changed:
             self._changed.wait_for(lambda: self._stopped, seconds)
 
-    def handed_out(self) -> None:
+    def handed_out(self) -> int:
         with self._changed:
             self._settled, self._asked = False, False
+            self._handed += 1
+            return self._handed
 
 
 def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
@@ -240,8 +247,8 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     log.warning("following: step %d is %d steps behind the store", newest, behind)
                     if settings.catch_up:  # take the newest instead, decoded against the same state
                         continue
-                turn.handed_out()
-                ready.put(FollowedStep(newest, behind, prepared.report, tuple(skipped), source, prepared, turn.settle))
+                settled = functools.partial(turn.settle, turn.handed_out())
+                ready.put(FollowedStep(newest, behind, prepared.report, tuple(skipped), source, prepared, settled))
                 skipped, handed_out = [], True
         except Exception as err:  # a store that fails for good: re-raised in the caller's thread
             ready.put(_End(err))
