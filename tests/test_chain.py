@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,6 +17,7 @@ from lightning_delta import (
     DeltaPublisher,
     DType,
     FormatError,
+    FullCheck,
     LoaderSettings,
     ModelMismatchError,
     PublishError,
@@ -124,6 +126,39 @@ def test_a_bound_module_is_the_held_state_and_takes_only_the_changes(store_url):
     step, tensors = loader.state_dict(7)  # copies of the module plus the patch; the module stays at 6
     assert step == 7 and loader.held_step == 6
     assert_state(tensors, truth[7]) and assert_state(bf16_state(replica), truth[6])
+
+
+@pytest.mark.parametrize("cadence", list(FullCheck))
+def test_a_weight_changed_behind_the_loaders_back_is_caught_at_the_full_checks_cadence(store_url, cadence, caplog):
+    """A bound module's weight changed where the next steps change nothing: the incremental check
+    cannot see it (what it proves is the step's changes); the full check finds it at its cadence,
+    says so, and the step is rebuilt from its base, which heals the module."""
+    truth = published_run(store_url, 6, base_every=4)  # bases at 1 and 5
+    name = next(iter(truth[2]))
+    steady = torch.stack([truth[s][name].view(torch.int16).flatten() for s in range(2, 6)])
+    pos = int((steady == steady[0]).all(dim=0).nonzero()[0])  # unchanged from step 2 to step 5
+    loader, live = DeltaLoader(store_url, LoaderSettings(full_check=cadence)), TinyLM()
+    loader.apply_to(live, step=2)
+    with torch.no_grad():
+        weight = named_tensors(live)[name].view(-1)
+        weight[pos] = (weight[pos : pos + 1].to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()
+    caught_at = {FullCheck.EVERY_STEP: 3, FullCheck.BASE_STEPS: 5, FullCheck.ON_DEMAND: None}[cadence]
+    for step in (3, 4, 5):
+        if step != caught_at:  # the tampered weight goes unseen, the rest is the trainer's
+            loader.apply_to(live, step=step)
+            state = bf16_state(live)
+            assert state[name].view(-1)[pos] != truth[step][name].view(-1)[pos]
+            state[name].view(-1)[pos] = truth[step][name].view(-1)[pos]
+            assert_state(state, truth[step])
+            continue
+        with caplog.at_level(logging.WARNING, logger="lightning_delta.loader"):
+            loader.apply_to(live, step=step)  # found, said, and the step rebuilt from its base
+        assert "changed behind the loader's back" in caplog.text
+        assert_state(bf16_state(live), truth[step])  # every weight written, the tampered one too
+        loader.verify()
+        return
+    with pytest.raises(ChecksumError, match="behind the loader's back"):
+        loader.verify()  # on demand
 
 
 def test_a_payload_only_its_checksum_can_catch_leaves_the_held_step_intact(store_url):

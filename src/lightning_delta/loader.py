@@ -156,9 +156,10 @@ class DeltaLoader:
         """Rehash the whole held state against the trainer's checksums now (the full check);
         `ChecksumError` if it differs, and the next step is then rebuilt from a base."""
         with self._lock:
-            if self._held is None or self._sink is None:
-                raise SnapshotNotFoundError("the loader holds no step to verify")
-            self._full_check(self.store.run(), self._held, self._sink)
+            held, sink = self._held, self._sink
+        if held is None or sink is None:
+            raise SnapshotNotFoundError("the loader holds no step to verify")
+        self._full_check(self.store.run(), held, sink)  # takes the lock itself to drop a bad state
 
     def follow(self, settings: FollowSettings | None = None) -> Iterator[FollowedStep]:
         """Watch the store and yield each newer complete step, verified, as a `FollowedStep`.
