@@ -4,13 +4,17 @@
 
 Both ranks train identical TinyLM replicas (same seed, same data) and publish their halves of the
 chain.  Then both load steps through one `DeltaLoader(process_group=...)`, each fetching about
-half of the objects, and follow the chain together.  Each writes OUT/rank-R.json: what it
-fetched, and whether every tensor it rebuilt equals its own trainer state bit for bit.
+half of the objects, and follow the chain together.  Then each binds a module of its own
+(`modules`): a patch worker 1 cannot reproduce from its module is refused by both workers before
+either writes, and both follow with the same catch-up decisions although worker 1 lists fewer
+steps.  Each writes OUT/rank-R.json: what it fetched, and whether every tensor it rebuilt equals
+its own trainer state bit for bit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -19,7 +23,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import jobs
-from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, PublisherSettings
+from lightning_delta import (
+    DeltaLoader,
+    DeltaPublisher,
+    FollowSettings,
+    FullCheck,
+    LoaderSettings,
+    PublisherSettings,
+    Store,
+    StoreError,
+)
+from lightning_delta import format as fmt
+from lightning_delta.objects import FsspecObjects
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
 
@@ -28,6 +43,85 @@ def exact(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> bool:
     return got.keys() == truth.keys() and all(
         torch.equal(got[k].view(torch.int16), truth[k].view(torch.int16)) for k in truth
     )
+
+
+class Unreachable(FsspecObjects):
+    """A store whose base at step 1 cannot be read while `broken` is set."""
+
+    broken = False
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if self.broken and any(key.endswith(fmt.blob_path(1, r, 2)) for r in range(2)):
+            raise StoreError(f"{self.url}: the endpoint is unreachable while reading {key}")
+        return super().get(key, start, end)
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in named_tensors(module).items()}
+
+
+def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) -> dict:
+    """Module-bound workers of one replica: refusal before any write, then shared catch-up."""
+    report: dict = {}
+    warnings = Warnings()
+    logging.getLogger("lightning_delta").addHandler(warnings)
+    objects = Unreachable(store)
+    loader = DeltaLoader(
+        Store(objects), LoaderSettings(full_check=FullCheck.ON_DEMAND), process_group=dist.group.WORLD
+    )
+    torch.manual_seed(10 + rank)  # each worker's module starts elsewhere: only the chain makes it exact
+    module = TinyLM()
+    loader.apply_to(module, 3)
+    report["module_3"] = loader.holds_module and exact(held(module), truth[3])
+
+    # Worker 1's module differs from the trainer's at every position step 4 changes in the tensors
+    # that lie wholly in trainer rank 0's share, which worker 0 decodes: only worker 1 can see it.
+    manifest = Store(store).run().manifest
+    whole = [manifest.tensors[s.tensor].name for payload in manifest.ranks[0] for s in payload
+             if s.start == 0 and s.numel == manifest.tensors[s.tensor].numel]
+    changed = {k: truth[4][k].view(torch.int16) != truth[3][k].view(torch.int16) for k in whole}
+    report["tampered"] = sum(int(c.sum()) for c in changed.values())
+    if rank == 1:
+        with torch.no_grad():
+            for name, tensor in named_tensors(module).items():
+                if name in changed:
+                    tensor[changed[name]] = -tensor[changed[name]] - 1
+    before = held(module)
+    objects.broken = True  # and the base that would rebuild step 4 cannot be read
+    try:
+        loader.apply_to(module, 4)
+        report["refused"] = "ok"
+    except Exception as err:
+        report["refused"] = type(err).__name__
+    report["untouched"] = exact(held(module), before)
+    report["untouched_exact_3"] = exact(held(module), truth[3])
+    objects.broken = False  # now the base rebuilds step 4 and heals worker 1's module
+    warnings.messages.clear()
+    loader.apply_to(module, 4)
+    report["healed_exact_4"] = exact(held(module), truth[4])
+    report["refusals_seen"] = sum("does not reproduce the trainer's checksum" in m for m in warnings.messages)
+
+    # Worker 1 lists only up to step 6 (a listing that lags, as an object store's may): both
+    # workers still take worker 0's decisions, catch up past step 5 and hand out step 6.
+    if rank == 1:
+        listed = loader.steps
+        loader.steps = lambda after=None: [s for s in listed(after) if s < 7]  # type: ignore[method-assign]
+    for followed in loader.follow(FollowSettings(poll_seconds=0.01, jump=False, max_staleness=1, catch_up=True)):
+        followed.apply_to(module)
+        report["caught_up"] = [followed.step, followed.behind]
+        report["caught_up_exact"] = exact(held(module), truth[followed.step])
+        break
+    logging.getLogger("lightning_delta").removeHandler(warnings)
+    return report
 
 
 def main() -> None:
@@ -66,6 +160,7 @@ def main() -> None:
         report["followed"].append(followed.step)
         report["followed_exact"].append(exact(followed.tensors, truth[followed.step]))
         break
+    report["modules"] = modules(store, truth, rank)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

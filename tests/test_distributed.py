@@ -155,11 +155,18 @@ def test_a_flipped_byte_in_any_object_never_gives_wrong_weights(store_copy):
     assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, 20).items())
 
 
-def test_a_replica_of_two_workers_downloads_one_copy_and_both_rebuild_exactly(tmp_path):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory) -> list[dict]:
+    """One run of tests/replica_job.py: two gloo processes as trainer ranks, then as one replica."""
+    tmp = tmp_path_factory.mktemp("replica")
+    out = tmp / "out"
     out.mkdir()
-    torchrun(ROOT / "tests" / "replica_job.py", str(tmp_path / "store"), str(out))
-    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    torchrun(ROOT / "tests" / "replica_job.py", str(tmp / "store"), str(out))
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_replica_of_two_workers_downloads_one_copy_and_both_rebuild_exactly(replica_run):
+    reports = replica_run
     for report in reports:
         assert report["exact"] == [True, True]
         assert report["followed"] == [7] and report["followed_exact"] == [True]
@@ -167,6 +174,19 @@ def test_a_replica_of_two_workers_downloads_one_copy_and_both_rebuild_exactly(tm
     assert sum(r["bytes"][0] for r in reports) == reports[0]["alone_bytes"]  # together: one copy
     # its own rank's chain: base 1 and deltas 2, 3; then deltas 4, 6, 7 and the bridge at 5, never base 5
     assert [r["parts"] for r in reports] == [[3, 4], [3, 4]]
+
+
+def test_a_replica_of_modules_refuses_together_and_decides_together(replica_run):
+    reports = [r["modules"] for r in replica_run]
+    assert reports[0]["tampered"] > 0  # step 4 changes the tensors worker 1's module gets wrong
+    for report in reports:
+        assert report["module_3"]
+        # worker 1 refused worker 0's patch; the base that would heal it is unreachable from
+        # worker 1: both raise its StoreError, and neither wrote, not even worker 0
+        assert report["refused"] == "StoreError" and report["untouched"]
+        assert report["healed_exact_4"] and report["refusals_seen"] == 1
+        assert report["caught_up"] == [6, 1] and report["caught_up_exact"]
+    assert reports[0]["untouched_exact_3"] and not reports[1]["untouched_exact_3"]
 
 
 def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_error(tmp_path):
