@@ -211,3 +211,44 @@ def test_the_probe_under_fsdp2_publishes_each_ranks_shard(tmp_path):
     for step in loader.steps():
         assert_state(loader.state_dict(step)[1], load_file(truth / f"step-{step}.safetensors"))
         assert loader.last_report.probe == tuple(torch.load(truth / f"probe-{step}.pt").flatten().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_peft_publish_holds_one_merged_weight_at_a_time(tmp_path, monkeypatch, dtype):
+    """Merging every adapted weight up front (or to plan, or to find devices) would hold a copy of
+    each beside the model, or merge it twice."""
+    import copy
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_delta import DeltaPublisher
+    from lightning_delta import merged as merged_module
+
+    merges, alive_before = [], []
+    real = merged_module._merged
+
+    def tracked(layer, which):
+        alive_before.append(sum(ref() is not None for ref in merges))  # earlier merged weights still held
+        out = real(layer, which)
+        merges.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(merged_module, "_merged", tracked)
+    torch.manual_seed(0)
+    layers = 4  # each over the publisher's small-slice bound, so each is a payload of its own
+    base = torch.nn.Sequential(*(torch.nn.Linear(768, 512, bias=False) for _ in range(layers))).to(dtype)
+    config = LoraConfig(r=4, target_modules=[str(i) for i in range(layers)], init_lora_weights=False)
+    model = get_peft_model(base, config)
+    truth = {}
+    with DeltaPublisher(str(tmp_path), model, PublisherSettings(base_every=2)) as publisher:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_" in name:
+                        p.add_(0.1 * torch.randn_like(p))
+            truth[step] = bf16_state(copy.deepcopy(model).merge_and_unload())
+            publisher.publish(step)
+    assert len(merges) == 3 * layers and max(alive_before) <= 1  # each merged once a publish, then let go
+    for step in (1, 2, 3):
+        assert_state(DeltaLoader(str(tmp_path)).state_dict(step)[1], truth[step])

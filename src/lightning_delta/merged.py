@@ -84,11 +84,12 @@ class MergedTensors(Mapping[str, Tensor]):
     def __len__(self) -> int:
         return len(self._plain) + len(self._merged)
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape, without merging anything."""
-        out = {name: tuple(t.shape) for name, t in self._plain.items()}
+    def unmerged(self) -> dict[str, Tensor]:
+        """Every tensor with the adapted layers' base weights in place of the merged ones: the
+        same names, shapes, dtypes, devices and placements, for planning without merging."""
+        out = dict(self._plain)
         for name, (_, layer, which) in self._merged.items():
-            out[name] = tuple(getattr(layer.get_base_layer(), which).shape)
+            out[name] = getattr(layer.get_base_layer(), which)
         return out
 
 

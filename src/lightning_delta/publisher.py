@@ -268,8 +268,8 @@ class DeltaPublisher:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         layout: _RankLayout | BaseException
         try:
-            live = self._source()
-            self._specs = _grouped(plan(dict(live), self.rank, self.world_size), live)
+            described = _described(self._source())
+            self._specs = _grouped(plan(dict(described), self.rank, self.world_size), described)
             layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
         except (UnsupportedStrategyError, ValueError) as err:
             layout = err
@@ -320,9 +320,8 @@ class DeltaPublisher:
             return PublishStats(step, False, None, 0, 0, 0.0)
         started = time.perf_counter()
         tensors = self._source()
-        shapes = (
-            tensors.shapes() if isinstance(tensors, MergedTensors) else {n: tuple(t.shape) for n, t in tensors.items()}
-        )
+        described = _described(tensors)
+        shapes = {n: tuple(t.shape) for n, t in described.items()}
         changed_shape = [n for n, shape in self._shapes.items() if shapes.get(n) != shape]
         if changed_shape:
             raise UnsupportedStrategyError(
@@ -334,7 +333,7 @@ class DeltaPublisher:
             self._last_base = None
         is_base = self._last_base is None or step - self._last_base >= self.settings.base_every
         if self._host is None:
-            devices = [t.device for t in tensors.values()]
+            devices = [t.device for t in described.values()]
             self._host = _HostSide(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
         try:
             cache = self._cache or [_Group(specs, torch.empty(0)) for specs in self._specs]
@@ -595,6 +594,12 @@ def _as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
     if callable(tensors):
         return tensors
     raise TypeError(f"tensors must be an nn.Module, a mapping or a callable, got {type(tensors).__name__}")
+
+
+def _described(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """Tensors with the names, shapes, devices and placements of `tensors`, read at no cost: a
+    PEFT policy's base weights stand for its merged ones, which cost a merge each to read."""
+    return tensors.unmerged() if isinstance(tensors, MergedTensors) else tensors
 
 
 _RankLayout = list[list[tuple[str, tuple[int, ...], int, int]]]  # payloads of (name, shape, start, numel)
