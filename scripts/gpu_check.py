@@ -16,19 +16,28 @@ Prints one table:
   * engine: the live-engine follower (what the vLLM backend runs) takes steps at 2% and 0.5% into
     a 1 GB bf16 model in device memory, against a dense reload of it from host memory, and its
     peak device memory beyond the model;
+  * replica: two processes, each on its own device (GPUs 0 and 1 under NCCL; skipped with fewer
+    than two GPUs; the CPU under gloo), publish a chain as two trainer ranks and follow it as the
+    two workers of one replica, each into a module on its own device; every step bit-exact, and
+    no thread of the second process touches GPU 0 (its process is not on GPU 0's list);
   * `scripts/bench_device.py` is the rest of the device-side numbers (run it after this).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
+import os
 import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, LoaderSettings, PublisherSettings, Store, codec
 from lightning_delta.engine import EngineFollower
@@ -247,11 +256,73 @@ def engine_check(device: torch.device, scale: float) -> None:
     )
 
 
+def replica_check(device: torch.device, scale: float) -> None:
+    what = "replica of 2 workers on devices 0 and 1: every step bit-exact; no process on another's device"
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        row(what, f"skipped: needs 2 GPUs, {torch.cuda.device_count()} here")
+        return
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = [spawn.Process(target=replica_worker, args=(r, tmp, device.type, scale)) for r in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)  # a hang (NCCL on the wrong device) is a result, not a stuck check
+        if any(w.is_alive() or w.exitcode != 0 for w in workers):
+            for worker in workers:
+                worker.kill()
+            row(what, f"failed: exit codes {[w.exitcode for w in workers]} (None: hung)")
+            return
+        reports = [json.loads(Path(tmp, f"rank-{r}.json").read_text()) for r in range(2)]
+    row(what, f"{all(r['exact'] for r in reports)}; {reports[1]['elsewhere']}")
+
+
+def replica_worker(rank: int, tmp: str, device_type: str, scale: float) -> None:
+    """One of the replica check's processes: a trainer rank, then a worker of the replica, on
+    device `rank`, which only the main thread is told (`set_device`), as in a training script."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(0)  # the same masters on both ranks, as under DDP
+    numel = max(int((1 << 22) * scale), 4096 + 1)
+    masters = {f"w{i}": (torch.randn(numel, generator=g) * 0.02).to(device) for i in range(4)}
+    store, truth = os.path.join(tmp, "store"), {}
+    with DeltaPublisher(store, masters, PublisherSettings(base_every=3), process_group=dist.group.WORLD) as publisher:
+        for step in range(1, 6):
+            adam_like(masters, 0.02, g)
+            publisher.publish(step)
+            truth[step] = {k: v.to(torch.bfloat16).cpu() for k, v in masters.items()}
+    dist.barrier()
+    module = torch.nn.Module()
+    for name, t in masters.items():
+        module.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t, dtype=torch.bfloat16), False))
+    loader = DeltaLoader(store, LoaderSettings(device=str(device)), process_group=dist.group.WORLD)
+    exact = []
+    for followed in loader.follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120)):
+        followed.apply_to(module)
+        held = {k: v.detach().cpu().view(torch.int16) for k, v in module.named_parameters()}
+        exact.append(all(torch.equal(held[k], v.view(torch.int16)) for k, v in truth[followed.step].items()))
+        if followed.step == 5:
+            break
+    dist.barrier()
+    elsewhere = "n/a on the CPU"
+    if device.type == "cuda" and rank == 1:
+        listed = torch.cuda.list_gpu_processes(0)
+        elsewhere = "pynvml missing" if "pynvml" in listed else f"on GPU 0: {f'process {os.getpid()}' in listed}"
+    report = {"exact": len(exact) == 5 and all(exact), "elsewhere": elsewhere}
+    Path(tmp, f"rank-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scale", type=float, default=1.0, help="shrink every size (the CPU smoke run)")
-    p.add_argument("--checks", nargs="*", default=["follow", "memory", "codec", "engine"], help="which checks")
+    p.add_argument(
+        "--checks", nargs="*", default=["follow", "memory", "codec", "engine", "replica"], help="which checks"
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -259,7 +330,13 @@ def main() -> None:
         torch.cuda.set_device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"GPU check on {name}, torch {torch.__version__}, scale {args.scale}", flush=True)
-    checks = {"follow": follow_check, "memory": memory_check, "codec": codec_check, "engine": engine_check}
+    checks = {
+        "follow": follow_check,
+        "memory": memory_check,
+        "codec": codec_check,
+        "engine": engine_check,
+        "replica": replica_check,
+    }
     for name in args.checks:
         checks[name](device, args.scale)
     print("\n| check | result |\n|---|---|")
