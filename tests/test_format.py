@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lightning_delta import format as fmt
 from lightning_delta import records
@@ -307,3 +309,28 @@ def test_names():
     assert fmt.parse_step_name("000000001005", 0) is None  # a step in another block's folder
     for stray in ["5", "\u00b2" * 12, "00000000000\uff15", "\uff10" * 11 + "\uff15"]:  # fullwidth digits
         assert fmt.parse_step_name(stray, 0) is None
+
+
+def test_an_unterminated_string_is_refused_in_memory_bounded_by_its_size():
+    """The fuzzer's find: the bracket-depth scan's string pattern backtracked, holding over 100
+    bytes a character (480 MiB for this 4 MiB manifest)."""
+    import tracemalloc
+
+    text = b'{"run_id": "' + bytes(4 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="malformed"):
+            fmt.decode_manifest(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(text), peak
+
+
+@given(st.lists(st.sampled_from([b'"', b"\\", b"a", b"[", b"]", b"{", b"}", b"\xff"]), max_size=40))
+def test_the_possessive_string_pattern_strips_what_a_backtracking_one_does(pieces):
+    import re
+
+    text = b"".join(pieces)
+    backtracking = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+    assert records._STRING.sub(b"", text) == backtracking.sub(b"", text)
