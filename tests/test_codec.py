@@ -510,3 +510,10 @@ def test_a_size_its_payload_cannot_hold_is_refused_before_allocating():
     payload = header + codec._varint(numel) * 2 + codec._varint(0) + section * 2
     with pytest.raises(FormatError, match="cannot hold"):
         codec.decode(None, payload, numel=numel, dtype=torch.bfloat16)
+
+
+@given(st.lists(st.booleans(), max_size=300), st.integers(1, 3))
+def test_positions_of_a_mask_are_torchs_nonzero(bits, stride):
+    mask = torch.tensor(bits, dtype=torch.bool)[::stride]  # strided views too
+    got = codec.positions_of(mask)
+    assert got.dtype == torch.int64 and torch.equal(got, mask.nonzero().squeeze(1))

@@ -38,6 +38,7 @@ from enum import IntEnum
 from itertools import accumulate
 
 import lz4.block
+import numpy as np
 import torch
 import torch.nn.functional as F
 import zstandard
@@ -70,6 +71,7 @@ __all__ = [
     "pack_delta",
     "pack_full",
     "parse",
+    "positions_of",
     "serialize",
 ]
 
@@ -219,19 +221,19 @@ def diff(old: Tensor, new: Tensor, *, exponents: bool = False) -> Change:
     classes = exponent_bytes(old) if exponents and old.dtype in _EXPONENT_SHIFT else None
     head = a.numel() // 4 * 4
     if not (head and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0):
-        index = (a != b).nonzero().squeeze(1)
+        index = positions_of(a != b)
         return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype, classes)
     # Compare four elements per int64 word: `nonzero` scans a quarter as many entries, and only
     # the few changed words are gathered and looked at lane by lane.
     a64, b64 = a[:head].view(torch.int64), b[:head].view(torch.int64)
-    words = (a64 != b64).nonzero().squeeze(1)
+    words = positions_of(a64 != b64)
     old_lanes = a64.index_select(0, words).view(torch.int16).view(-1, 4)
     new_lanes = b64.index_select(0, words).view(torch.int16).view(-1, 4)
-    lane = (old_lanes != new_lanes).view(-1).nonzero().squeeze(1)
+    lane = positions_of((old_lanes != new_lanes).view(-1))
     index = words.index_select(0, lane >> 2) * 4 + (lane & 3)
     olds, news = old_lanes.view(-1).index_select(0, lane), new_lanes.view(-1).index_select(0, lane)
     if head < a.numel():  # the last one to three elements
-        tail = (a[head:] != b[head:]).nonzero().squeeze(1) + head
+        tail = positions_of(a[head:] != b[head:]) + head
         index = torch.cat([index, tail])
         olds, news = torch.cat([olds, a.index_select(0, tail)]), torch.cat([news, b.index_select(0, tail)])
     return Change(index, olds, news, new.numel(), new.dtype, classes)
@@ -249,6 +251,14 @@ def diff_counted(old: Tensor, new: Tensor, changed: Tensor, count: int, *, expon
 
 
 _EXPONENT_SHIFT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}
+
+
+def positions_of(mask: Tensor) -> Tensor:
+    """The int64 positions of a 1-D bool tensor's True elements, ascending.  On the CPU through
+    numpy, whose scan is 2x (16K elements) to 17x (4M) faster than torch's `nonzero` there."""
+    if mask.is_cpu:
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
 
 
 def exponent_bytes(t: Tensor) -> Tensor:
@@ -669,7 +679,7 @@ def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, 
     seen, big, last = 0, 0, -1
     for at in range(0, high.numel(), span):
         bits = _unpack_bits(high[at : at + span], min(8 * span, high_len - 8 * at))
-        ones = bits.nonzero().squeeze(1) + 8 * at
+        ones = positions_of(bits) + 8 * at
         count = ones.numel()
         if not count:
             continue
@@ -734,7 +744,7 @@ def _classed_positions(
     stream, low = _unpack_bits(low_section, layout.low_total), torch.zeros(m, dtype=torch.int64, device=device)
     for bit, has in layout.low_planes(low_bits):
         low[has] |= stream[layout.low_offset[has] + bit].long() << bit
-    ones = _unpack_bits(high_section, layout.high_total).nonzero().squeeze(1)
+    ones = positions_of(_unpack_bits(high_section, layout.high_total))
     if ones.numel() != m:
         raise FormatError(f"Elias-Fano high bits hold {ones.numel()} entries, header says {m}")
     start = layout.per_change(layout.high_start)

@@ -379,7 +379,7 @@ class EngineFollower:
                 if isinstance(held, slice):
                     yield slice(where.start + held.start, where.start + held.stop), bits
                 else:
-                    yield held.nonzero().squeeze(1) + where.start, bits
+                    yield codec.positions_of(held) + where.start, bits
 
     def _tensor_bits(
         self, tensor: int, positions: Tensor, params: Mapping[str, Tensor], owned_only: bool
