@@ -327,10 +327,48 @@ def test_an_unterminated_string_is_refused_in_memory_bounded_by_its_size():
     assert peak < 8 * len(text), peak
 
 
-@given(st.lists(st.sampled_from([b'"', b"\\", b"a", b"[", b"]", b"{", b"}", b"\xff"]), max_size=40))
-def test_the_possessive_string_pattern_strips_what_a_backtracking_one_does(pieces):
-    import re
+def _reference_depth(data: bytes) -> int:
+    """Byte by byte: a quote toggles strings unless an odd run of backslashes comes right before it."""
+    deepest = level = slashes = 0
+    inside = False
+    for byte in data:
+        if byte == ord('"') and slashes % 2 == 0:
+            inside = not inside
+        elif not inside and byte in b"[{":
+            level += 1
+            deepest = max(deepest, level)
+        elif not inside and byte in b"]}":
+            level -= 1
+        slashes = slashes + 1 if byte == ord("\\") else 0
+    return deepest
 
+
+@given(
+    st.lists(st.sampled_from([b'"', b"\\", b"\\\\", b"a", b"[", b"]", b"{", b"}", b"\xff"]), max_size=60),
+    st.integers(1, 9),
+)
+def test_the_nesting_scan_counts_brackets_outside_strings_across_chunks(pieces, scan):
     text = b"".join(pieces)
-    backtracking = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-    assert records._STRING.sub(b"", text) == backtracking.sub(b"", text)
+    saved, records._SCAN = records._SCAN, scan  # chunk borders anywhere: in a run of backslashes, a string
+    try:
+        assert records._depth(text) == _reference_depth(text)
+    finally:
+        records._SCAN = saved
+
+
+def test_the_nesting_scan_of_escaped_quotes_ends():
+    """Both regular expressions tried for strings took quadratic time on this (40 KB: 2.5 s, so
+    this 8 MiB would take about a day); the alarm turns such a hang into a failure."""
+    import signal
+
+    def hung(*_):
+        raise AssertionError("the nesting scan did not end within 300 s")
+
+    text = b'["' + b'\\"' * (4 << 20)  # unterminated: every quote escaped
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(300)
+    try:
+        assert records._depth(text) == 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
