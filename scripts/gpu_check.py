@@ -274,7 +274,7 @@ def replica_check(device: torch.device, scale: float) -> None:
             row(what, f"failed: exit codes {[w.exitcode for w in workers]} (None: hung)")
             return
         reports = [json.loads(Path(tmp, f"rank-{r}.json").read_text()) for r in range(2)]
-    row(what, f"{all(r['exact'] for r in reports)}; {reports[1]['elsewhere']}")
+    row(what, f"{all(r['exact'] for r in reports)}; {reports[1]['device 0']}")
 
 
 def replica_worker(rank: int, tmp: str, device_type: str, scale: float) -> None:
@@ -307,11 +307,10 @@ def replica_worker(rank: int, tmp: str, device_type: str, scale: float) -> None:
         if followed.step == 5:
             break
     dist.barrier()
-    elsewhere = "n/a on the CPU"
-    if device.type == "cuda" and rank == 1:
-        listed = torch.cuda.list_gpu_processes(0)
-        elsewhere = "pynvml missing" if "pynvml" in listed else f"on GPU 0: {f'process {os.getpid()}' in listed}"
-    report = {"exact": len(exact) == 5 and all(exact), "elsewhere": elsewhere}
+    untouched = "n/a on the CPU"
+    if device.type == "cuda":  # a CUDA context on device 0 in process 1: a thread that ignored its device
+        untouched = f"device 0 untouched by process 1: {not torch._C._cuda_hasPrimaryContext(0)}"
+    report = {"exact": len(exact) == 5 and all(exact), "device 0": untouched}
     Path(tmp, f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

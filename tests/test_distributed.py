@@ -182,7 +182,7 @@ def test_a_replica_of_modules_refuses_together_and_decides_together(replica_run)
     for report in reports:
         assert report["module_3"]
         # worker 1 refused worker 0's patch; the base that would heal it is unreachable from
-        # worker 1: both raise its StoreError, and neither wrote, not even worker 0
+        # worker 1 only: both raise worker 1's StoreError, and neither wrote, not even worker 0
         assert report["refused"] == "StoreError" and report["untouched"]
         assert report["healed_exact_4"] and report["refusals_seen"] == 1
         assert report["caught_up"] == [6, 1] and report["caught_up_exact"]
