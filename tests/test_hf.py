@@ -249,6 +249,6 @@ def test_a_peft_publish_holds_one_merged_weight_at_a_time(tmp_path, monkeypatch,
                         p.add_(0.1 * torch.randn_like(p))
             truth[step] = bf16_state(copy.deepcopy(model).merge_and_unload())
             publisher.publish(step)
-    assert len(merges) == 3 * layers and max(alive_before) <= 1  # each merged once a publish, then let go
+    assert len(merges) == 3 * layers and max(alive_before) <= 1  # once a publish on the CPU (twice on CUDA), let go
     for step in (1, 2, 3):
         assert_state(DeltaLoader(str(tmp_path)).state_dict(step)[1], truth[step])

@@ -257,7 +257,7 @@ def positions_of(mask: Tensor) -> Tensor:
     """The int64 positions of a 1-D bool tensor's True elements, ascending.  On the CPU through
     numpy, whose scan is 2x (16K elements) to 17x (4M) faster than torch's `nonzero` there."""
     if mask.is_cpu:
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return mask.nonzero().squeeze(1)
 
 

@@ -53,7 +53,7 @@ the tensor."""
 _CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
 """More changes a chunk where the worker holds more elements, as each chunk has a fixed cost,
 larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
-0.054x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
+0.035x-0.062x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
 (scripts/gpu_check.py)."""
 
 

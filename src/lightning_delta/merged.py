@@ -5,7 +5,8 @@ engine that holds the plain base model needs `W + scale * B @ A` under the base 
 `merged_tensors` gives exactly what peft's `merge_and_unload()` would write, bit for bit, on the
 tensors' device, without touching the training model.  It merges a layer only when its tensor is
 read, and keeps nothing: a publisher reads one payload at a time, so a publish holds one merged
-weight at a time, not a copy of every adapted weight.  Adapters it cannot merge that way (DoRA and
+weight at a time, not a copy of every adapted weight (on CUDA it reads each twice for a delta:
+once for the change mask every payload's count is taken from, once for the diff).  Adapters it cannot merge that way (DoRA and
 other LoRA variants, `modules_to_save` copies, non-LoRA PEFT methods) are refused.
 """
 

@@ -465,6 +465,7 @@ class DeltaPublisher:
                 log.exception("delta encode failed")
                 item = _FAILED
                 self._fail(err)
+            del job  # its device tensors (the change, a base's snapshot) go now, not at the next job
             self._encoded.put(item)
 
     def _commit_loop(self) -> None:
