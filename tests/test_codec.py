@@ -517,3 +517,16 @@ def test_positions_of_a_mask_are_torchs_nonzero(bits, stride):
     mask = torch.tensor(bits, dtype=torch.bool)[::stride]  # strided views too
     got = codec.positions_of(mask)
     assert got.dtype == torch.int64 and torch.equal(got, mask.nonzero().squeeze(1))
+
+
+@given(st.binary(max_size=64), st.integers(0, 600), st.integers(0, 8))
+def test_bits_pack_and_unpack_least_significant_first(data, count, skip):
+    """The CPU's numpy (un)packing, of a slice as the decoder passes, against the definition: bit k
+    of byte j is element 8j + k; no more elements than the bytes hold; `_count` counts them."""
+    raw = torch.tensor(list(bytes(skip) + data), dtype=torch.uint8)[skip:]
+    bits = codec._unpack_bits(raw, count)
+    expected = [bool(byte >> k & 1) for byte in data for k in range(8)][:count]
+    assert bits.dtype == torch.bool and bits.tolist() == expected
+    assert codec._count(bits) == sum(expected)
+    rebuilt = [sum(bit << k for k, bit in enumerate(expected[j : j + 8])) for j in range(0, len(expected), 8)]
+    assert codec._pack_bits(bits).tolist() == rebuilt

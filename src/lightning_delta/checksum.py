@@ -20,22 +20,27 @@ _MASK64 = (1 << 64) - 1
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
 _K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _CHUNK = 1 << 18
-"""Elements hashed at a time on the CPU: the three int64 work buffers (2 MiB each) are allocated
-once and stay in cache; fresh 32 MiB temporaries per chunk cost ten times as much, in page faults."""
+"""Elements hashed at a time on the CPU, over all rows: the int64 work buffers (2 MiB each) are
+allocated once and stay in cache; fresh 32 MiB temporaries per chunk cost ten times as much, in
+page faults."""
 _CUDA_CHUNK = 1 << 22  # no page faults there, but each chunk is ten kernel launches
 
 
-def _mix_sum(bits: Tensor, index: Tensor | None = None, offset: int = 0) -> int:
-    """sum(mix(i * 2**16 + u)) mod 2**64 over 16-bit `bits` at positions `index` (default offset,
-    offset + 1, ...)."""
-    n, device = bits.numel(), bits.device
-    chunk = _CUDA_CHUNK if device.type == "cuda" else _CHUNK
-    x, shifted, keys = (torch.empty(min(n, chunk), dtype=torch.int64, device=device) for _ in range(3))
-    total = torch.zeros((), dtype=torch.int64, device=device)  # wraps mod 2**64, like the definition
+def _mix_sums(rows: Tensor, index: Tensor | None = None, offset: int = 0) -> list[int]:
+    """Per row of `rows` (16-bit, one row per set of values at the same positions), sum(mix(i *
+    2**16 + u)) mod 2**64 over its elements at positions `index` (default offset, offset + 1, ...).
+    The rows share the keys and each kernel launch: an update hashes its old and new values in
+    one pass."""
+    count, n = rows.shape
+    device = rows.device
+    chunk = (_CUDA_CHUNK if device.type == "cuda" else _CHUNK) // count
+    x, shifted = (torch.empty(count * min(n, chunk), dtype=torch.int64, device=device) for _ in range(2))
+    keys = torch.empty(min(n, chunk), dtype=torch.int64, device=device)
+    total = torch.zeros(count, dtype=torch.int64, device=device)  # wraps mod 2**64, like the definition
     for start in range(0, n, chunk):
-        part = bits[start : start + chunk].view(torch.int16)
-        k = part.numel()
-        xs, ts, ks = x[:k], shifted[:k], keys[:k]
+        part = rows[:, start : start + chunk].view(torch.int16)
+        k = part.shape[1]
+        xs, ts, ks = x[: count * k].view(count, k), shifted[: count * k].view(count, k), keys[:k]
         if index is None:
             torch.arange((offset + start) << 16, (offset + start + k) << 16, 1 << 16, out=ks)
         else:
@@ -45,8 +50,8 @@ def _mix_sum(bits: Tensor, index: Tensor | None = None, offset: int = 0) -> int:
         xs.bitwise_xor_(torch.bitwise_right_shift(xs, 32, out=ts))
         xs.mul_(_K2)
         xs.bitwise_xor_(torch.bitwise_right_shift(xs, 29, out=ts))
-        total += xs.sum()
-    return int(total) & _MASK64  # one device sync per call, not one per chunk
+        total += xs.sum(dim=1)
+    return [v & _MASK64 for v in total.tolist()]  # one device sync per call, not one per chunk
 
 
 def checksum(bits: Tensor, offset: int = 0) -> int:
@@ -54,18 +59,19 @@ def checksum(bits: Tensor, offset: int = 0) -> int:
     share of a payload's checksum of the elements at positions `offset, offset + 1, ...`: the
     checksum of a payload is the sum, mod 2**64, of the shares of its pieces."""
     _check_bits(bits)
-    return _mix_sum(bits, offset=offset)
+    return _mix_sums(bits.view(1, -1), offset=offset)[0]
 
 
 def checksum_at(bits: Tensor, index: Tensor) -> int:
     """The share of a checksum of the 16-bit `bits` at positions `index` (any order): what a
     worker that holds some of a payload's elements contributes to its checksum."""
-    return _mix_sum(bits, index)
+    return _mix_sums(bits.view(1, -1), index)[0]
 
 
 def checksum_update(previous: int, index: Tensor, old: Tensor, new: Tensor) -> int:
     """The checksum after the elements at `index` changed from `old` to `new`."""
-    return (previous + _mix_sum(new, index) - _mix_sum(old, index)) & _MASK64
+    before, after = _mix_sums(torch.stack((old.view(torch.int16), new.view(torch.int16))), index)
+    return (previous + after - before) & _MASK64
 
 
 def format_checksum(value: int) -> str:

@@ -679,7 +679,7 @@ def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, 
     seen, big, last = 0, 0, -1
     for at in range(0, high.numel(), span):
         bits = _unpack_bits(high[at : at + span], min(8 * span, high_len - 8 * at))
-        ones = positions_of(bits) + 8 * at
+        ones = positions_of(bits)
         count = ones.numel()
         if not count:
             continue
@@ -688,7 +688,8 @@ def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, 
         first = seen - seen % 8  # eight values of `low_bits` bits fill whole bytes
         low_bytes = sections[0][first // 8 * low_bits : -(-(seen + count) // 8) * low_bits]
         low = _unpack_fixed(low_bytes, seen + count - first, low_bits)[seen - first :]
-        index = ((ones - torch.arange(seen, seen + count, device=device)) << low_bits) | low
+        buckets = ones.sub_(torch.arange(seen - 8 * at, seen - 8 * at + count, device=device))
+        index = buckets.bitwise_left_shift_(low_bits).bitwise_or_(low)
         if int(index[-1]) >= n or int(index[0]) <= last or bool((index[1:] <= index[:-1]).any()):
             raise FormatError("changed positions are out of range or not strictly increasing")
         step, larger = _steps(packed, sections, seen, count, big, device)
@@ -706,11 +707,11 @@ def _steps(
     first, end = start - start % 8, start + count
     unit = _unpack_bits(sections[2][first // 8 : -(-end // 8)], end - first)[start - first :]
     positive = _unpack_bits(sections[3][first // 8 : -(-end // 8)], end - first)[start - first :]
-    larger = count - int(unit.sum())
+    larger = count - _count(unit)
     if big + larger > packed.k or (start + count == packed.m and big + larger != packed.k):
         raise FormatError(f"tensor payload flags more changes larger than one than its header's {packed.k}")
     if not larger:
-        return torch.where(positive, 1, -1).to(torch.int16), 0
+        return positive.to(torch.int16).mul_(2).sub_(1), 0
     planes = sections[4].view(2, packed.k)[:, big : big + larger]
     magnitude = torch.stack((planes[0], planes[1]), dim=1).view(torch.int16).view(-1).to(torch.int32) & 0xFFFF
     step = torch.ones(count, dtype=torch.int32, device=device)
@@ -861,14 +862,28 @@ _LANES = 0x8040201008040201 - (1 << 64)  # lane k keeps bit k (as a signed int64
 
 
 def _pack_bits(bits: Tensor) -> Tensor:
-    """Bools to bytes, least significant bit first; one multiply per eight bits."""
+    """Bools to bytes, least significant bit first: on the CPU through numpy (9x faster there),
+    elsewhere one multiply per eight bits."""
+    if bits.is_cpu:
+        return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
     words = F.pad(bits.view(torch.uint8), (0, -bits.numel() % 8)).view(torch.int64)
     return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)
 
 
 def _unpack_bits(data: Tensor, count: int) -> Tensor:
+    """Bytes to `count` bools (fewer if the bytes hold fewer), least significant bit first.  On the
+    CPU through numpy's table lookup, 16x faster there than the multiply."""
+    if data.is_cpu:
+        bits = np.unpackbits(data.numpy(), count=min(count, 8 * data.numel()), bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
     lanes = (data.to(torch.int64) * _SPREAD) & _LANES
     return (lanes.view(torch.uint8) != 0)[:count]
+
+
+def _count(mask: Tensor) -> int:
+    """How many of a 1-D bool tensor's elements are True (on the CPU, numpy's popcount: a bool
+    `sum` there widens every element to int64)."""
+    return int(np.count_nonzero(mask.numpy())) if mask.is_cpu else int(mask.sum())
 
 
 def _pack_fixed(values: Tensor, width: int) -> Tensor:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import codec
 from . import format as fmt
-from .checksum import checksum, checksum_at
+from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
 from .patch import LoadReport, PayloadView, RankState, views
@@ -316,7 +316,7 @@ class EngineFollower:
                 if patch.whole is not None:  # on top of a staged whole payload: every worker checks it
                     old = patch.whole.index_select(0, steps.index)
                     new = old + steps.step
-                    moved = (value + checksum_at(new, steps.index) - checksum_at(old, steps.index)) & _MASK64
+                    moved = checksum_update(value, steps.index, old, new)
                     if partials is not None and moved != entry.checksum:
                         raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
                     patch.whole.index_copy_(0, steps.index, new)
@@ -413,7 +413,7 @@ class EngineFollower:
             at = index[held]
             if patch.index is not None:
                 old = old + _overlay(patch, at)
-            total += checksum_at(old + step[held], at) - checksum_at(old, at)
+            total += checksum_update(0, at, old, old + step[held])
         return total & _MASK64
 
     def _exponents(self, view: PayloadView, patch: _Payload, params: Mapping[str, Tensor]) -> Tensor:
@@ -545,13 +545,13 @@ class EngineFollower:
         steps = patch.step[lo:hi]
         if name not in self.map.boxes:
             kept, positions = self._kept[s.tensor], positions.cpu()
-            kept.index_copy_(0, positions, kept.index_select(0, positions) + steps.cpu())
+            kept.index_add_(0, positions, steps.cpu())  # int16 adds wrap: mod 2**16, as a step is
             return True
         for box in self.map.boxes[name]:
             held, target = box.locate(positions, self._shapes[s.tensor])
             flat = _flat(params[box.param])
             target = target.to(flat.device)
-            flat.index_copy_(0, target, flat.index_select(0, target) + steps[held].to(flat.device))
+            flat.index_add_(0, target, steps[held].to(flat.device))
         return False
 
     def _kept_tensors(self) -> dict[str, Tensor]:
