@@ -45,7 +45,16 @@ from typing import Any
 
 import torch
 
-from lightning_delta import DeltaError, DeltaLoader, FormatError, DeltaPublisher, PublisherSettings, Store, codec, records
+from lightning_delta import (
+    DeltaError,
+    DeltaLoader,
+    DeltaPublisher,
+    FormatError,
+    PublisherSettings,
+    Store,
+    codec,
+    records,
+)
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
 from lightning_delta.retention import collect
@@ -196,6 +205,7 @@ def mutate_payload(rng: random.Random, payload: bytes, other: bytes) -> bytes:
 def _in_chunks(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> torch.Tensor | None:
     """The payload applied to `old` the way a follower in sync takes it (`codec.iter_steps`, 64
     changes at a time); None where it is refused."""
+
     def exponents() -> torch.Tensor:
         if old is None:
             raise FormatError("a CLASSED payload needs the previous tensor")

@@ -23,9 +23,9 @@ import jobs
 from conftest import replace_blob
 from fused import Engine
 from lightning_delta import DeltaError, Store
+from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta.codec import Context
-from lightning_delta import engine as engine_module
 from lightning_delta.engine import EngineFollower
 from lightning_delta.viewmap import ViewMap
 from test_engine import publish

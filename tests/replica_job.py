@@ -75,9 +75,7 @@ def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) ->
     warnings = Warnings()
     logging.getLogger("lightning_delta").addHandler(warnings)
     objects = Unreachable(store)
-    loader = DeltaLoader(
-        Store(objects), LoaderSettings(full_check=FullCheck.ON_DEMAND), process_group=dist.group.WORLD
-    )
+    loader = DeltaLoader(Store(objects), LoaderSettings(full_check=FullCheck.ON_DEMAND), process_group=dist.group.WORLD)
     torch.manual_seed(10 + rank)  # each worker's module starts elsewhere: only the chain makes it exact
     module = TinyLM()
     loader.apply_to(module, 3)
@@ -86,8 +84,12 @@ def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) ->
     # Worker 1's module differs from the trainer's at every position step 4 changes in the tensors
     # that lie wholly in trainer rank 0's share, which worker 0 decodes: only worker 1 can see it.
     manifest = Store(store).run().manifest
-    whole = [manifest.tensors[s.tensor].name for payload in manifest.ranks[0] for s in payload
-             if s.start == 0 and s.numel == manifest.tensors[s.tensor].numel]
+    whole = [
+        manifest.tensors[s.tensor].name
+        for payload in manifest.ranks[0]
+        for s in payload
+        if s.start == 0 and s.numel == manifest.tensors[s.tensor].numel
+    ]
     changed = {k: truth[4][k].view(torch.int16) != truth[3][k].view(torch.int16) for k in whole}
     report["tampered"] = sum(int(c.sum()) for c in changed.values())
     if rank == 1:

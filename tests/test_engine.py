@@ -11,11 +11,10 @@ import torch
 
 from conftest import ROOT, replace_blob, torchrun
 from fused import DIM, HIDDEN, Engine, checkpoint
-from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store
-from lightning_delta import format as fmt
-from lightning_delta import codec
-from lightning_delta.codec import CodecOptions, Context, Mode
+from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec
 from lightning_delta import engine as engine_module
+from lightning_delta import format as fmt
+from lightning_delta.codec import CodecOptions, Context, Mode
 from lightning_delta.engine import EngineFollower
 from lightning_delta.patch import views
 from lightning_delta.viewmap import Box, ViewMap
@@ -105,7 +104,8 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
             part = store.read_part(step, 0, 1)
             assert prepared.report.changed == sum(e.changed for e in part.entries)
             mode = Mode.CLASSED if context == Context.EXPONENT else Mode.SPARSE
-            assert [codec.parse(p, v.numel).mode for v, p in zip(views(store.run(), 0), part.payloads)] == [mode]
+            payloads = zip(views(store.run(), 0), part.payloads, strict=True)
+            assert [codec.parse(p, v.numel).mode for v, p in payloads] == [mode]
     assert engine.qkv.data_ptr() == storage  # in place
     live.verify()
 

@@ -22,8 +22,8 @@ from lightning_delta import (
     Store,
     StoreError,
 )
-from lightning_delta.patch import StepPatch
 from lightning_delta import format as fmt
+from lightning_delta.patch import StepPatch
 from tinylm import TinyLM
 
 

@@ -6,8 +6,9 @@ engine that holds the plain base model needs `W + scale * B @ A` under the base 
 tensors' device, without touching the training model.  It merges a layer only when its tensor is
 read, and keeps nothing: a publisher reads one payload at a time, so a publish holds one merged
 weight at a time, not a copy of every adapted weight (on CUDA it reads each twice for a delta:
-once for the change mask every payload's count is taken from, once for the diff).  Adapters it cannot merge that way (DoRA and
-other LoRA variants, `modules_to_save` copies, non-LoRA PEFT methods) are refused.
+once for the change mask every payload's count is taken from, once for the diff).  Adapters it
+cannot merge that way (DoRA and other LoRA variants, `modules_to_save` copies, non-LoRA PEFT
+methods) are refused.
 """
 
 from __future__ import annotations
