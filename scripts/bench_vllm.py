@@ -5,8 +5,9 @@ dense reload of the same weights, in one run (the vLLM venv scripts/setup.sh mak
     .venv-vllm/bin/python scripts/bench_vllm.py --layers 1 --vocab 4096 --hidden 256   # a quick check
 
 Two trainer ranks publish a chain: a base at step 1, steps 2-4 changing 2% of the elements (by one
-ULP, small weights more often than large ones, as under Adam) and steps 5-7 changing 0.5%, once coded without context (what a CPU trainer ships) and once
-with the exponent context (a GPU trainer's default).  Each engine runs in a process of its own:
+ULP, small weights more often than large ones, as under Adam) and steps 5-7 changing 0.5%, once coded
+without context (what a CPU trainer ships) and once with the exponent context (a GPU trainer's
+default).  Each engine runs in a process of its own:
 
 * tp1-inplace, tp2-inplace: oneDNN prepacking off (LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=1), so the
   parameters keep the checkpoint layout, as a bf16 engine's on a GPU do: written in place;
@@ -129,7 +130,11 @@ def _status(field: str) -> int:
 
 def _report(worker: Any) -> dict[str, Any]:
     engine = worker.weight_transfer_engine
-    return {"bytes": engine.last_report.bytes_read, "changed": engine.last_report.changed, "write": engine.last_write_seconds}
+    return {
+        "bytes": engine.last_report.bytes_read,
+        "changed": engine.last_report.changed,
+        "write": engine.last_write_seconds,
+    }
 
 
 def _paths(worker: Any) -> Any:
@@ -172,7 +177,7 @@ def engine(work: str, name: str) -> dict[str, Any]:
         seconds = time.perf_counter() - started
         llm.finish_weight_update()
         result["steps"][step] = {"seconds": seconds, "workers": llm.collective_rpc(_report)}
-    result["beyond"] = [peak - before for peak, before in zip(llm.collective_rpc(_peak), rss)]
+    result["beyond"] = [peak - before for peak, before in zip(llm.collective_rpc(_peak), rss, strict=True)]
     result["exact"] = all(llm.collective_rpc(_verify))
     dense = []
     for _ in range(3):
@@ -191,7 +196,10 @@ def run_engine(work: str, name: str) -> dict[str, Any]:
     tp, plain, _ = ENGINES[name]
     env = {
         **os.environ,
-        "PYTHONPATH": os.path.join(ROOT, "tests", "vllm_env"),  # this machine's AMX quirk (docs/ROLLOUT)
+        # this machine's AMX quirk (docs/ROLLOUT), before the caller's path (`PYTHONPATH=<old src>` benches old code)
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.path.join(ROOT, "tests", "vllm_env"), os.environ.get("PYTHONPATH")])
+        ),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the workers' figures come back through callables
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
@@ -214,9 +222,9 @@ def summary(name: str, result: dict[str, Any], model_bytes: int) -> list[str]:
     at = {f: statistics.median(steps[s]["seconds"] for s in STEPS if STEPS[s] == f and s > 1) for f in (0.02, 0.005)}
     (inplace, inplace_bytes), (reloaded, reloaded_bytes) = result["paths"]
     lines = [
-        f"{name}: {inplace} tensors ({inplace_bytes / 1e6:.0f} MB) in place, {reloaded} ({reloaded_bytes / 1e6:.0f} MB) "
-        f"through the layerwise reload; exact after the chain: {result['exact']}, after the dense reload: "
-        f"{result['dense_exact']}"
+        f"{name}: {inplace} tensors ({inplace_bytes / 1e6:.0f} MB) in place, "
+        f"{reloaded} ({reloaded_bytes / 1e6:.0f} MB) through the layerwise reload; "
+        f"exact after the chain: {result['exact']}, after the dense reload: {result['dense_exact']}"
     ]
     for step, row in sorted(steps.items()):
         workers = row["workers"]
@@ -259,7 +267,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         build(work, args)
         model_bytes = os.path.getsize(f"{work}/model/model.safetensors")
-        print(f"model: {model_bytes / 1e6:.0f} MB of bf16; torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(
+            f"model: {model_bytes / 1e6:.0f} MB of bf16; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
         for chain in ("plain", "exponent"):
             sizes = {step: folder_bytes(f"{work}/{chain}/{fmt.step_dir(step)}") for step in STEPS}
             print(f"chain {chain}: " + ", ".join(f"step {s} {b / 1e6:.2f} MB" for s, b in sizes.items()))
