@@ -1,11 +1,14 @@
 """Two processes, first the trainer's two ranks, then two tensor-parallel workers of the stand-in
 engine (tests/fused.py) following the chain they wrote:
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/engine_job.py STORE OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/engine_job.py STORE OUT CONTEXT
 
 Rank 0 damages a payload of step 7 between the two.  Each worker learns its view map, follows
 steps 1, 2, 3, 6, 7, 8 and writes OUT/rank-R.json: whether its parameters equal its slices of the
-trainer's tensors after each step, what it fetched, and the errors it met.
+trainer's tensors after each step, what it fetched, and the errors it met.  CONTEXT `EXPONENT`:
+CLASSED deltas, prepared (decoded and checked) then written; `NONE`: SPARSE deltas through
+`update`, which walks each step in sync into the parameters, checked as it is written
+(`sparse_walk`), and takes the walk back when the group's check fails.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from conftest import replace_blob
 from fused import Engine
-from lightning_delta import DeltaError, Store
+from lightning_delta import DeltaError, Store, sparse_walk
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta.codec import Context
@@ -32,10 +35,10 @@ from test_engine import publish
 
 
 def main() -> None:
-    store_url, out = sys.argv[1], sys.argv[2]
+    store_url, out, context = sys.argv[1], sys.argv[2], Context[sys.argv[3]]
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    truth = publish(store_url, Context.EXPONENT)  # as the trainer's two ranks, each its half
+    truth = publish(store_url, context)  # as the trainer's two ranks, each its half
     dist.barrier()
     store = Store(store_url)
     if rank == 0:  # a payload bit of rank 1's part of step 7 that only its checksum can catch
@@ -59,11 +62,22 @@ def main() -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("lightning_delta.engine").addHandler(handler)
     report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
+    walks = sparse_walk.Walk.apply
+    report["walked"] = 0
+
+    def counted(walk: sparse_walk.Walk) -> int:
+        report["walked"] += 1
+        return walks(walk)
+
+    sparse_walk.Walk.apply = counted  # type: ignore[method-assign]
     for step in (1, 2, 3, 6, 7, 8):
         before = {k: v.clone() for k, v in engine.state().items()}
         try:
-            prepared = follower.prepare(step)
-            follower.write(prepared)
+            if context == Context.EXPONENT:
+                prepared = follower.prepare(step)
+                follower.write(prepared)
+            else:
+                prepared, _, _ = follower.update(step)
         except DeltaError as err:
             report["errors"].append([step, type(err).__name__])
             report["untouched"].append(all(torch.equal(before[k], v) for k, v in engine.state().items()))

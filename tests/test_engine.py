@@ -11,9 +11,10 @@ import torch
 
 from conftest import ROOT, replace_blob, torchrun
 from fused import DIM, HIDDEN, Engine, checkpoint
-from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec
+from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec, sparse_walk
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
+from lightning_delta import publisher as publisher_module
 from lightning_delta.codec import CodecOptions, Context, Mode
 from lightning_delta.engine import EngineFollower
 from lightning_delta.patch import views
@@ -55,6 +56,19 @@ def follower(url: str, engine: Engine) -> EngineFollower:
     return EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload, device=device)
 
 
+@pytest.fixture
+def walks(monkeypatch) -> list[int]:
+    """Counts the payloads walked in place (`sparse_walk`), rather than decoded by torch."""
+    count, apply = [0], sparse_walk.Walk.apply
+
+    def counted(walk: sparse_walk.Walk) -> int:
+        count[0] += 1
+        return apply(walk)
+
+    monkeypatch.setattr(sparse_walk.Walk, "apply", counted)
+    return count
+
+
 def exact(engine: Engine, truth: dict[str, torch.Tensor]) -> bool:
     state, expected = engine.state(), engine.expected(truth)
     return all(torch.equal(state[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
@@ -82,13 +96,15 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT])
+@pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT], ids=lambda c: c.name)
 @pytest.mark.parametrize("chunk", [None, 8])
+@pytest.mark.parametrize("walk", [True, False], ids=["walk", "torch"])
 def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
-    store_url, context, device, chunk, monkeypatch
+    store_url, context, device, chunk, walk, walks, monkeypatch
 ):
     if chunk is not None:  # a step in sync in many chunks of changes, each decoded, checked and written
         monkeypatch.setattr(engine_module, "_CHUNK", chunk)
+    monkeypatch.setattr(sparse_walk, "AVAILABLE", walk)  # without it, torch decodes on the CPU as on a GPU
     truth = publish(store_url, context)
     engine = Engine().to(device)
     live = follower(store_url, engine)
@@ -108,6 +124,8 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
             assert [codec.parse(p, v.numel).mode for v, p in payloads] == [mode]
     assert engine.qkv.data_ptr() == storage  # in place
     live.verify()
+    # the SPARSE steps in sync (2, 3, 7, 8), walked where numba runs on the CPU
+    assert walks[0] == (4 if walk and device == "cpu" and context == Context.NONE else 0)
 
 
 def test_a_damaged_step_writes_nothing_and_the_next_base_heals(store_url):
@@ -129,6 +147,26 @@ def test_a_damaged_step_writes_nothing_and_the_next_base_heals(store_url):
     assert exact(engine, truth[5])
 
 
+def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, walks, monkeypatch):
+    """`update` does not check a step in sync before it walks it into the engine: the walk checks
+    each change as it writes it, and a failure on any payload takes every walk of the step back."""
+    monkeypatch.setattr(publisher_module, "_SMALL", 0)  # every tensor a payload of its own
+    publish(store_url)
+    store = Store(store_url)
+    part = store.read_part(3, 0, 1)
+    blob = bytearray(store.objects.get(fmt.blob_path(3, 0, 1)))
+    blob[len(blob) - part.entries[-1].length // 2] ^= 0x01  # the last payload, walked after the others
+    replace_blob(store, 3, 0, 1, bytes(blob))
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(2)
+    before, walked = {k: v.clone() for k, v in engine.state().items()}, walks[0]
+    with pytest.raises(DeltaError):
+        live.update(3)
+    assert walks[0] - walked == len(part.entries)  # every payload of step 3 was walked, then taken back
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+
+
 def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):
     truth = publish(store_url)
     engine = Engine()
@@ -145,6 +183,14 @@ def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog)
     assert prepared.report.changed == numel
     live.write(prepared)
     assert exact(engine, truth[3])
+    # Through `update`, which walks the step in sync unchecked: the walk sees it as it writes,
+    # takes the step back, and the follower re-syncs from the base.
+    q4 = truth[4]["layer.q"].view(torch.int16).view(-1)
+    engine.qkv.data.view(-1)[int((q4 != q3).nonzero()[0])] += 1
+    prepared, _, _ = live.update(4)
+    assert prepared.report.changed == numel
+    assert exact(engine, truth[4])
+    live.write(live.prepare(3))  # back to 3, from its base
     # Anywhere else: the incremental check of step 4 cannot see it, the full check does.
     engine.qkv.data.view(-1)[int((q3 == truth[4]["layer.q"].view(torch.int16).view(-1)).nonzero()[0])] += 1
     live.write(live.prepare(4))
@@ -154,16 +200,21 @@ def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog)
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path):
+@pytest.mark.parametrize("context", [Context.EXPONENT, Context.NONE], ids=lambda c: c.name)
+def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context):
     out = tmp_path / "out"
     out.mkdir()
-    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out))
+    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out), context.name)
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["exact"] == [True] * 4 and report["untouched"] == [True, True]
         assert [step for step, _ in report["errors"]] == [7, 8]  # 8's chain passes the damaged 7
         assert report["tampered"] == "ChecksumError" and report["refused"] == ["layer.rope"]
-        assert report["warned"] == 1  # CLASSED payloads in a TP group: said once, with the way out
+        # CLASSED payloads in a TP group: said once, with the way out; SPARSE ones are walked in
+        # place, each worker its slices and blocks: the two trainer ranks' payloads of steps 2, 3
+        # and the damaged 7, whose walks were taken back ("untouched")
+        assert report["warned"] == (context == Context.EXPONENT)
+        assert report["walked"] == (0 if context == Context.EXPONENT else 6)
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]

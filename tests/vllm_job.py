@@ -120,6 +120,8 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
             fresh[step] = logprobs(engines[-1])
         return fresh[step]
 
+    for step in sorted(compared):  # first: an engine in this process cannot start once the backend's
+        reference(step)  # walk compiled on the CPU (vLLM 0.32's kernel scan trips on llvmlite; README)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": True, "poll_seconds": 0.05}})
     result: dict[str, Any] = {"steps": {}, "errors": {}, "paths": llm.collective_rpc(_paths)}

@@ -68,6 +68,7 @@ __all__ = [
     "encode",
     "exponent_bytes",
     "may_pack_raw",
+    "mode_of",
     "pack_delta",
     "pack_full",
     "parse",
@@ -455,6 +456,14 @@ def serialize(packed: Packed, options: CodecOptions | None = None) -> bytes:
                 compressor, data = options.compressor, memoryview(squeezed)
         parts += [bytes([compressor]), _varint(len(data)), bytes(data)]
     return b"".join(parts)
+
+
+def mode_of(payload: bytes | memoryview) -> Mode | None:
+    """A payload's mode as its header says, unchecked (`parse` checks it): None if it has none."""
+    view = memoryview(payload)
+    if len(view) < _HEADER.size or view[:4] != MAGIC or view[4] not in set(Mode):
+        return None
+    return Mode(view[4])
 
 
 def parse(payload: bytes | memoryview, numel: int) -> Packed:

@@ -7,8 +7,12 @@ changes.  A tensor-parallel worker holds only slices, so a step is decoded into 
 exponents of a CLASSED payload, which the workers assemble with one all-reduce of a byte per
 element), verified by the checksums' partial sums over the changes each worker owns, all-reduced
 over the group before anything is written, and then every worker writes `old + step` at the
-positions it holds.  The workers share one download: each fetches the parts of a share of the
-trainer ranks, and sends the others the blobs, which every receiver checks against their markers.
+positions it holds.  On the CPU, a SPARSE payload one step from the state held is instead walked
+(`sparse_walk`): decoded, checked and written in one pass over the engine's memory, not two, its
+partial sums all-reduced once every payload is walked, and every walk taken back exactly (steps
+add mod 2**16) if any worker's check fails, so a failed step still leaves nothing written.  The
+workers share one download: each fetches the parts of a share of the trainer ranks, and sends the
+others the blobs, which every receiver checks against their markers.
 
 Framework-free: an engine adapter (`vllm_backend`) gives the loader call, the parameters, the
 reload and the group.
@@ -17,6 +21,7 @@ reload and the group.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import threading
@@ -25,11 +30,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import codec
+from . import codec, sparse_walk
 from . import format as fmt
 from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
@@ -127,6 +133,10 @@ class EngineFollower:
         per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
         self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
+        self._walk_in_place = sparse_walk.AVAILABLE and self.device.type == "cpu"
+        self._segments: dict[tuple[int, int], tuple[np.ndarray, list[str | int]] | None] = {}
+        if self._walk_in_place:
+            sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
         self._held: list[RankState] | None = None
         self._generation = 0
         self._warned_classed = False
@@ -162,19 +172,23 @@ class EngineFollower:
 
     def prepare(self, step: int) -> EngineStep:
         """Fetch, decode and verify `step` against what the engine holds, writing nothing."""
+        return self._prepare_step(step, verify=True)
+
+    def _prepare_step(self, step: int, verify: bool) -> EngineStep:
+        """`prepare`; without `verify`, the payloads `write` walks are left for it to check."""
         started, read_before = time.perf_counter(), self.store.bytes_read
         held, generation = self._held, self._generation
         mine = json.dumps([s.header.step for s in held] if held else None).encode()
         if self.group is not None and len(set(exchange_bytes(mine, self.group, torch.device("cpu")))) > 1:
             held = None  # the workers disagree on what they hold: every one re-syncs from a base
         try:
-            states, chains, changed, fetched, share = self._prepare(step, held)
+            states, chains, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
             if held is None or isinstance(err, StoreError):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
             held = None
-            states, chains, changed, fetched, share = self._prepare(step, None)
+            states, chains, changed, fetched, share = self._prepare(step, None, verify)
         report = LoadReport(
             step=step,
             kind=states[0].header.kind,
@@ -189,10 +203,11 @@ class EngineFollower:
         return EngineStep(step, states, chains, held, report, generation)
 
     def _prepare(
-        self, step: int, held: list[RankState] | None
+        self, step: int, held: list[RankState] | None, verify: bool
     ) -> tuple[list[RankState], list[tuple[fmt.Part, ...]], int, int, float]:
         """Every rank's verified chain and state at `step`, the elements to write, the parts this
-        worker fetched, and the seconds of its fetch."""
+        worker fetched, and the seconds of its fetch.  The payloads `write` walks are checked here
+        only with `verify` (each is checked again as it is written)."""
         started = time.perf_counter()
         chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
@@ -217,6 +232,14 @@ class EngineFollower:
                     raise ChainError(f"rank {rank}: the chain ends at step {parts[-1].header.step}, not {step}")
                 state = held[rank] if held else None
                 for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
+                    if state is not None and self._walkable(rank, i, parts):
+                        entry = parts[0].entries[i]
+                        changed += entry.changed
+                        if verify:
+                            partials.append(self._walk_of(rank, i, parts[0], params).check())
+                            moved = (entry.checksum - state.checksums[i]) & _MASK64
+                            expected.append((rank, i, parts[0].header.step, moved))
+                        continue
                     for patch in self._patches(rank, i, parts, state, params, partials, expected):
                         changed += patch.changed
                 if parts:
@@ -469,10 +492,12 @@ class EngineFollower:
         if check and prepared.held is not None:
             self._check_changes(prepared)
         params = self._params()
-        reload = False
+        walked, reload = self._walk(prepared, params)
         for rank, parts in enumerate(prepared.chains):
             held = prepared.held[rank] if prepared.held else None
             for i, view in enumerate(views(self.run, rank)):
+                if (rank, i) in walked:
+                    continue
                 for patch in self._patches(rank, i, parts, held, params):
                     if patch.whole is None and (patch.index is None or not patch.index.numel()):
                         continue
@@ -492,6 +517,8 @@ class EngineFollower:
         partials, expected, params = [], [], self._params()
         for rank, (parts, state, held) in enumerate(zip(prepared.chains, prepared.states, prepared.held, strict=True)):
             for i, view in enumerate(views(self.run, rank)):
+                if self._walkable(rank, i, parts):
+                    continue  # checked as it is written
                 moved, whole = 0, False
                 for patch in self._patches(rank, i, parts, held, params):
                     if patch.index is None or patch.step is None:
@@ -513,7 +540,7 @@ class EngineFollower:
         """Take `step` (None: the newest; prefetched if it was) and write it: (the step, whether
         it was prefetched, the seconds of the write).  A step whose changes no longer fit the
         engine's weights is loaded again from a base, which writes every element."""
-        prepared, prefetched = self.take(step)
+        prepared, prefetched = self._take(step, verify=False)
         try:
             return prepared, prefetched, self.write(prepared, check=prefetched)
         except ChecksumError as err:
@@ -553,6 +580,115 @@ class EngineFollower:
             target = target.to(flat.device)
             flat.index_add_(0, target, steps[held].to(flat.device))
         return False
+
+    def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> tuple[set[tuple[int, int]], bool]:
+        """Walk every walkable payload of a step in sync into the engine, checking each change's
+        value as it is written (partial sums over the owned changes, summed over the group), and
+        take every walk back if any payload fails on any worker: the step then leaves nothing
+        written.  Returns the payloads walked, and whether a kept copy changed."""
+        if prepared.held is None:
+            return set(), False
+        walks: list[tuple[tuple[int, int], sparse_walk.Walk]] = []
+        partials: list[int] = []
+        expected: list[tuple[int, int, int]] = []
+        try:
+            outcome: DeltaError | None = None
+            try:
+                for rank, (parts, held) in enumerate(zip(prepared.chains, prepared.held, strict=True)):
+                    for i in range(len(self.run.payloads[rank])):
+                        if not self._walkable(rank, i, parts):
+                            continue
+                        walk = self._walk_of(rank, i, parts[0], params)
+                        walks.append(((rank, i), walk))
+                        partials.append(walk.apply())
+                        expected.append((rank, i, (parts[0].entries[i].checksum - held.checksums[i]) & _MASK64))
+            except DeltaError as err:
+                outcome = err
+            if self.group is not None:  # every worker walked the same bytes; a local failure still stops all
+                exchange_bytes(outcome or b"", self.group, torch.device("cpu"))
+            elif outcome is not None:
+                raise outcome
+            for (rank, i, want), got in zip(expected, self._sum(partials), strict=True):
+                if got != want:
+                    self._held = None  # the engine's weights, or the step, are not what they should be
+                    raise ChecksumError(
+                        f"{self.store.url} rank {rank} step {prepared.step}: payload {i} does not reproduce the "
+                        "trainer's checksum from the values the engine holds; nothing was written, and the next "
+                        "step is written whole"
+                    )
+        except BaseException:
+            for _, walk in reversed(walks):
+                walk.undo()
+            raise
+        kept = False
+        for (rank, i), walk in walks:
+            table = self._segments_of(rank, i)
+            assert table is not None
+            kept |= any(walk.wrote(at) for at, name in enumerate(table[1]) if isinstance(name, int))
+        return {key for key, _ in walks}, kept
+
+    def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
+        """Whether payload `i` of `rank` is walked in place (`sparse_walk`): on the CPU, one SPARSE
+        payload from the state held (the chain checks that it starts there), into tensors the map
+        holds as runs or 2-D blocks."""
+        return (
+            self._walk_in_place
+            and len(parts) == 1
+            and parts[0].header.kind == fmt.Kind.DELTA
+            and codec.mode_of(parts[0].payloads[i]) == codec.Mode.SPARSE
+            and self._segments_of(rank, i) is not None
+        )
+
+    def _walk_of(self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor]) -> sparse_walk.Walk:
+        view, table = views(self.run, rank)[i], self._segments_of(rank, i)
+        assert table is not None
+        packed = codec.parse(part.payloads[i], view.numel)
+        where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
+        if packed.dtype != view.dtype:
+            raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
+        if packed.m != part.entries[i].changed:
+            raise fmt.FormatError(f"{where} changes {packed.m} elements, its header says {part.entries[i].changed}")
+        arrays = []
+        for name in table[1]:  # a parameter, or the kept copy of a refused tensor
+            if isinstance(name, int) and name not in self._kept:
+                raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
+            arrays.append((_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy())
+        return sparse_walk.Walk(packed, table[0], arrays)
+
+    def _segments_of(self, rank: int, i: int) -> tuple[np.ndarray, list[str | int]] | None:
+        """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
+        name, the kept copy of a refused tensor by its index), or None where a tensor is held in
+        blocks the walk cannot address (then torch decodes the payload)."""
+        if (rank, i) not in self._segments:
+            self._segments[rank, i] = self._segment_table(views(self.run, rank)[i])
+        return self._segments[rank, i]
+
+    def _segment_table(self, view: PayloadView) -> tuple[np.ndarray, list[str | int]] | None:
+        rows: list[list[int]] = []
+        names: dict[str | int, int] = {}
+        for s, offset in zip(view.slices, view.offsets, strict=False):
+            name, shape = self._names[s.tensor], self._shapes[s.tensor]
+            if name not in self.map.boxes:  # the kept copy: counted once, by group rank 0
+                kept = names.setdefault(s.tensor, len(names))
+                rows.append([offset, offset + s.numel, kept, s.start, 0, 0, 0, 0, 0, 0, 0, int(self.rank == 0)])
+                continue
+            for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
+                param, first = names.setdefault(box.param, len(names)), box.run_start(shape)
+                if first is not None:  # a run of the tensor
+                    lo, hi = max(first, s.start), min(first + box.numel, s.start + s.numel)
+                    geometry = [box.offset + lo - first, 0, 0, 0, 0, 0, 0, 0]
+                elif len(shape) == 2 and box.strides[1] == 1:  # a block of rows and columns
+                    columns, row = shape[1], box.start[0]
+                    lo, hi = max(row * columns, s.start), min((row + box.shape[0]) * columns, s.start + s.numel)
+                    geometry = [box.offset, lo, columns, row, box.shape[0], box.start[1], box.shape[1], box.strides[0]]
+                else:
+                    return None
+                if hi > lo:
+                    rows.append([offset + lo - s.start, offset + hi - s.start, param, *geometry, int(owned)])
+        rows.sort()
+        if any(a[1] > b[0] for a, b in itertools.pairwise(rows)):
+            return None  # several blocks of one tensor side by side: more than one segment a position
+        return np.array(rows, dtype=np.int64).reshape(-1, len(sparse_walk.SEGMENT_FIELDS)), list(names)
 
     def _kept_tensors(self) -> dict[str, Tensor]:
         specs = self.run.manifest.tensors
@@ -645,11 +781,14 @@ class EngineFollower:
 
     def take(self, step: int | None) -> tuple[EngineStep, bool]:
         """The verified `step` (None: the newest), and whether it had been prefetched."""
+        return self._take(step, verify=True)
+
+    def _take(self, step: int | None, verify: bool) -> tuple[EngineStep, bool]:
         ready = self._stop_prefetch()
         wanted = self.newest() if step is None else step
         if ready is not None and ready.generation == self._generation and ready.step == wanted:
             return ready, True
-        return self.prepare(wanted), False
+        return self._prepare_step(wanted, verify), False
 
     def _stop_prefetch(self) -> EngineStep | None:
         if self._prefetch is None:
