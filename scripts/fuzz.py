@@ -10,8 +10,9 @@ Each case ends in one of these outcomes:
 * exact: the bytes the trainer held (a mutation the format does not see, say a padding bit);
 * caught: a payload that decodes to other values whose checksum differs (codec target only:
   the loader refuses it, `test_reliability` shows how);
-* split (codec): decoded in chunks, as a follower in sync takes it, the payload is refused where
-  it decodes in one piece, or the other way round, or gives other values -- must never happen;
+* split (codec): decoded in chunks, as a follower in sync takes it, or walked into the old values,
+  as a vLLM engine on the CPU takes it (`sparse_walk`), the payload is refused where it decodes in
+  one piece, or the other way round, or gives other values -- must never happen;
 * wrong: other values that pass (codec: a checksum collision; store: weights handed out that
   are not the trainer's) -- must never happen;
 * other: any other exception type -- must never happen;
@@ -43,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_delta import (
@@ -54,6 +56,7 @@ from lightning_delta import (
     Store,
     codec,
     records,
+    sparse_walk,
 )
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
@@ -227,8 +230,38 @@ def _in_chunks(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> t
     return out
 
 
+def _walked(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> torch.Tensor | bool | None:
+    """The payload walked into a copy of `old` (`sparse_walk`); None where it is refused (the walk
+    then taken back, which must restore every bit), False where it is not walked (not SPARSE)."""
+    if old is None or not sparse_walk.AVAILABLE or codec.mode_of(payload) != codec.Mode.SPARSE:
+        return False
+    try:
+        packed = codec.parse(payload, new.numel())
+    except FormatError:
+        return None
+    if packed.dtype != new.dtype:
+        return None
+    held = old.view(torch.int16).clone()
+    whole = np.array([[0, new.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]] if new.numel() else [], dtype=np.int64)
+    whole = whole.reshape(-1, len(sparse_walk.SEGMENT_FIELDS))
+    walk = sparse_walk.Walk(packed, whole, [held.numpy()])
+    try:
+        walk.apply()
+    except FormatError:
+        walk.undo()
+        if not torch.equal(held, old.view(torch.int16)):
+            raise AssertionError("a refused walk, taken back, left other values") from None
+        return None
+    return held
+
+
 def _decode_case(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> str:
     chunked = _in_chunks(old, new, payload)
+    walked = _walked(old, new, payload)
+    if walked is not False and (
+        (walked is None) != (chunked is None) or (chunked is not None and not torch.equal(chunked, walked))
+    ):
+        return "split"
     try:
         got = codec.decode(old, payload, numel=new.numel(), dtype=new.dtype)
     except DeltaError:
@@ -251,6 +284,8 @@ def fuzz_codec(cases: int, seed: int = 0, limit: float = 30.0, log: Callable[[st
     rng = random.Random(seed)
     corpus = codec_corpus(seed)
     counts: Counter = Counter()
+    if sparse_walk.AVAILABLE:
+        sparse_walk.compile()  # its memory is the compiler's, not a case's
     for case in range(cases):
         old, new, payload = rng.choice(corpus)
         mutated = mutate_payload(rng, payload, rng.choice(corpus)[2])
