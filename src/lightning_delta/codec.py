@@ -496,14 +496,16 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
             raise FormatError(f"CLASSED tensor payload with inconsistent header (n={n}, m={m}, k={k}, l={low_bits})")
         classes, pos = _read_classes(view, pos, n, m, _EXPONENT_SHIFT[dtype][1])
     sections = []
-    for size in _section_sizes(mode, n, m, k, low_bits, classes):
-        if pos >= len(view):
-            raise FormatError("tensor payload truncated before a section")
-        compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
-        if pos + stored > len(view):
-            raise FormatError(f"tensor payload truncated: section of {stored} bytes runs past the end")
-        data, pos = view[pos : pos + stored], pos + stored
-        sections.append(_as_bytes_tensor(_decompress(compressor, data, size)))
+    with warnings.catch_warnings():  # once a payload, not a section: it costs ~10 us each time
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: never written through
+        for size in _section_sizes(mode, n, m, k, low_bits, classes):
+            if pos >= len(view):
+                raise FormatError("tensor payload truncated before a section")
+            compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
+            if pos + stored > len(view):
+                raise FormatError(f"tensor payload truncated: section of {stored} bytes runs past the end")
+            data, pos = view[pos : pos + stored], pos + stored
+            sections.append(_as_bytes_tensor(_decompress(compressor, data, size)))
     if pos != len(view):
         raise FormatError(f"tensor payload has {len(view) - pos} trailing bytes")
     return Packed(mode, coding, low_bits, dtype, n, m, k, tuple(sections), classes)
@@ -940,9 +942,7 @@ def _check_pair(old: Tensor, new: Tensor) -> None:
 
 
 def _as_bytes_tensor(data: bytes | memoryview) -> Tensor:
-    with warnings.catch_warnings():  # read-only buffers: we never write through these views
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
 
 
 # ------------------------------------------------------------------ compressors

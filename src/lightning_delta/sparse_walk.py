@@ -115,33 +115,8 @@ class Walk:
 def compile() -> None:
     """Compile the walk now (seconds; numba caches it on disk for the next process), not in the
     first step it walks."""
-    empty = np.empty(0, dtype=np.uint8)
-    _kernel()(
-        empty,
-        empty,
-        empty,
-        empty,
-        empty,
-        0,
-        0,
-        0,
-        0,
-        np.zeros(_STATE, dtype=np.int64),
-        np.empty(0, dtype=np.int16),
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        1,
-        -1,
-    )
+    sections, state = [np.empty(0, dtype=np.uint8)] * 5, np.zeros(_STATE, dtype=np.int64)
+    _kernel()(*sections, 0, 0, 0, 0, state, np.empty(0, dtype=np.int16), *[0] * 11, 1, -1)
 
 
 def _check_segments(segments: np.ndarray, sizes: list[int], n: int) -> None:
@@ -179,7 +154,7 @@ _BLOCK = 256
 _STATE = 5
 _BYTE, _BITS, _SEEN, _BIG, _LAST = range(_STATE)
 """The decoder's state between calls: the high-bit byte it is in and its bits not yet taken, the
-changes and the larger-than-one changes taken, the last position, and whether the bytes ran out."""
+changes and the larger-than-one changes taken, and the last position."""
 
 
 def _walk(
