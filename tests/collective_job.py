@@ -8,7 +8,9 @@ collective of the library:
 * follow: the same replica follows, and rank 1's store fails at its second step;
 * engine: two tensor-parallel workers of the stand-in engine prepare a step, rank 1's store fails.
 
-Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took.
+Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took;
+and whether `exchange` hands every rank what each sent where a rank sends more items than the
+first broadcast's head holds sizes for ("many").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fused import Engine
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, PublisherSettings, Store, StoreError
 from lightning_delta.engine import EngineFollower
 from lightning_delta.objects import FsspecObjects
+from lightning_delta.replica import exchange
 from lightning_delta.viewmap import ViewMap
 from tinylm import TinyLM
 
@@ -109,6 +112,12 @@ def main() -> None:
         group=dist.group.WORLD,
     )
     report["engine"] = outcome(lambda: live.prepare(2))
+
+    def items(of: int) -> list[torch.Tensor]:  # rank 0 sends 3 items, rank 1 forty, of every size
+        return [torch.full((i * 7 % 11,), of * 100 + i, dtype=torch.uint8) for i in range(3 if of == 0 else 40)]
+
+    received = exchange(items(rank), dist.group.WORLD, torch.device("cpu"))
+    report["many"] = [[torch.equal(a, b) for a, b in zip(got, items(r), strict=True)] for r, got in enumerate(received)]
     with open(os.path.join(work, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

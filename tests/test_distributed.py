@@ -199,4 +199,5 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
         for case in ("claim", "load", "follow", "engine"):
             assert report[case][0] == "StoreError", (case, report[case])
         assert "Not a directory (a part of the path is a regular file)" in report["claim"][2]
+        assert report["many"] == [[True] * 3, [True] * 40]
     assert "worker 1 of the group" in reports[0]["load"][2]  # rank 0 says whose error it raises

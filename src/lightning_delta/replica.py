@@ -26,6 +26,9 @@ from .errors import DeltaError
 __all__ = ["agree", "exchange", "exchange_bytes", "group_device"]
 
 _OK, _FAILED = 0, 1
+_HEAD = 16
+"""int64 slots each rank broadcasts first: its status, its item count and the first sizes, so that
+an exchange of a few items is two broadcasts a rank, not three (each one a round trip)."""
 
 
 def group_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
@@ -54,16 +57,19 @@ def exchange(
         if src == me:
             failed = isinstance(mine, BaseException)
             items = [_describe(mine)] if isinstance(mine, BaseException) else [t.reshape(-1) for t in mine]
-            meta = torch.tensor([_FAILED if failed else _OK, len(items), *(t.numel() for t in items)], device=device)
-            count = torch.tensor([meta.numel()], device=device)
+            meta = [_FAILED if failed else _OK, len(items), *(t.numel() for t in items)]
+            head = torch.tensor(meta[:_HEAD] + [0] * (_HEAD - len(meta)), dtype=torch.int64, device=device)
         else:
-            count = torch.empty(1, dtype=torch.int64, device=device)
-        dist.broadcast(count, src=root, group=group)
-        if src != me:
-            meta = torch.empty(int(count.item()), dtype=torch.int64, device=device)
-        dist.broadcast(meta, src=root, group=group)
-        values = meta.tolist()
-        status, sizes = values[0], values[2:]
+            head = torch.empty(_HEAD, dtype=torch.int64, device=device)
+        dist.broadcast(head, src=root, group=group)
+        values = head.tolist()
+        if values[1] + 2 > _HEAD:  # more sizes than the head holds: the rest follow
+            rest = torch.tensor(meta[_HEAD:], device=device) if src == me else None
+            if rest is None:
+                rest = torch.empty(values[1] + 2 - _HEAD, dtype=torch.int64, device=device)
+            dist.broadcast(rest, src=root, group=group)
+            values += rest.tolist()
+        status, sizes = values[0], values[2 : 2 + values[1]]
         starts = _aligned(sizes)
         data = torch.empty(starts[-1], dtype=torch.uint8, device=device)
         if src == me:
