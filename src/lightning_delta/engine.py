@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,6 +125,7 @@ class EngineFollower:
         run = store.run()
         self.run = run
         self._names = [t.name for t in run.manifest.tensors]
+        self._views = [views(run, rank) for rank in range(run.world_size)]
         self._shapes = [t.shape for t in run.manifest.tensors]
         specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
         described = self._gather_json(view_map.describe())
@@ -133,9 +135,8 @@ class EngineFollower:
         per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
         self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
-        self._walk_in_place = sparse_walk.AVAILABLE and self.device.type == "cpu"
-        self._segments: dict[tuple[int, int], tuple[np.ndarray, list[str | int]] | None] = {}
-        if self._walk_in_place:
+        self._segments = self._segment_tables()
+        if self._segments:
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
         self._held: list[RankState] | None = None
         self._generation = 0
@@ -218,7 +219,7 @@ class EngineFollower:
         partials: list[int] = []
         expected: list[tuple[int, int, int, int]] = []
         outcome: BaseException | None = None
-        changed, params = 0, self._params()
+        changed, params, local = 0, self._params(), False
         try:
             for rank, parts in enumerate(chains):
                 first = parts[0].header if parts else None
@@ -236,10 +237,12 @@ class EngineFollower:
                         entry = parts[0].entries[i]
                         changed += entry.changed
                         if verify:
+                            local = True
                             partials.append(self._walk_of(rank, i, parts[0], params).check())
                             moved = (entry.checksum - state.checksums[i]) & _MASK64
                             expected.append((rank, i, parts[0].header.step, moved))
                         continue
+                    local = True
                     for patch in self._patches(rank, i, parts, state, params, partials, expected):
                         changed += patch.changed
                 if parts:
@@ -248,13 +251,13 @@ class EngineFollower:
                 states.append(state)
         except DeltaError as err:
             outcome = err
-        if self.group is not None:  # every worker decoded the same bytes; a local failure still stops all
+        if self.group is not None and local:  # decoded against its own state, a worker may fail alone
             exchange_bytes(outcome or b"", self.group, torch.device("cpu"))
-        elif outcome is not None:
+        elif outcome is not None:  # from the bytes every worker holds (or no group): the same everywhere
             raise outcome
         for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):
             if got != want:
-                names = [self._names[s.tensor] for s in views(self.run, rank)[index].slices]
+                names = [self._names[s.tensor] for s in self._views[rank][index].slices]
                 raise ChecksumError(
                     f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
                     "does not reproduce the trainer's checksum from the values the engine holds"
@@ -274,7 +277,7 @@ class EngineFollower:
             for rank in ours:
                 fetched[rank] = self._reader.fetch_blobs(step, rank, held[rank].header.step if held else None)
             mine = []
-            for refs, blobs in fetched.values():
+            for refs, blobs in fetched.values() if self.group is not None else ():  # what the others need
                 mine.append(_bytes(json.dumps([asdict(r) for r in refs]).encode()))
                 mine += [_bytes(b) for b in blobs]
         except DeltaError as err:
@@ -310,7 +313,7 @@ class EngineFollower:
         group's sums must reach in `expected` (nothing is checked without them).  A step from the
         state held (a follower in sync) comes a chunk of changes at a time, so its cost is bounded
         by the chunk; a longer chain is composed into one patch first."""
-        view = views(self.run, rank)[i]
+        view = self._views[rank][i]
         if len(parts) == 1 and held is not None:
             yield from self._chunks(view, rank, i, parts[0], held.checksums[i], params, partials, expected)
             return
@@ -495,7 +498,7 @@ class EngineFollower:
         walked, reload = self._walk(prepared, params)
         for rank, parts in enumerate(prepared.chains):
             held = prepared.held[rank] if prepared.held else None
-            for i, view in enumerate(views(self.run, rank)):
+            for i, view in enumerate(self._views[rank]):
                 if (rank, i) in walked:
                     continue
                 for patch in self._patches(rank, i, parts, held, params):
@@ -516,7 +519,7 @@ class EngineFollower:
         assert prepared.held is not None
         partials, expected, params = [], [], self._params()
         for rank, (parts, state, held) in enumerate(zip(prepared.chains, prepared.states, prepared.held, strict=True)):
-            for i, view in enumerate(views(self.run, rank)):
+            for i, view in enumerate(self._views[rank]):
                 if self._walkable(rank, i, parts):
                     continue  # checked as it is written
                 moved, whole = 0, False
@@ -604,11 +607,14 @@ class EngineFollower:
                         expected.append((rank, i, (parts[0].entries[i].checksum - held.checksums[i]) & _MASK64))
             except DeltaError as err:
                 outcome = err
+            sums = partials
             if self.group is not None:  # every worker walked the same bytes; a local failure still stops all
-                exchange_bytes(outcome or b"", self.group, torch.device("cpu"))
+                mine = outcome or json.dumps(partials).encode()  # the partial sums ride with the outcomes
+                every = [json.loads(b) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
+                sums = [sum(column) & _MASK64 for column in zip(*every, strict=True)]
             elif outcome is not None:
                 raise outcome
-            for (rank, i, want), got in zip(expected, self._sum(partials), strict=True):
+            for (rank, i, want), got in zip(expected, sums, strict=True):
                 if got != want:
                     self._held = None  # the engine's weights, or the step, are not what they should be
                     raise ChecksumError(
@@ -632,15 +638,14 @@ class EngineFollower:
         payload from the state held (the chain checks that it starts there), into tensors the map
         holds as runs or 2-D blocks."""
         return (
-            self._walk_in_place
-            and len(parts) == 1
+            len(parts) == 1
             and parts[0].header.kind == fmt.Kind.DELTA
             and codec.mode_of(parts[0].payloads[i]) == codec.Mode.SPARSE
             and self._segments_of(rank, i) is not None
         )
 
     def _walk_of(self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor]) -> sparse_walk.Walk:
-        view, table = views(self.run, rank)[i], self._segments_of(rank, i)
+        view, table = self._views[rank][i], self._segments_of(rank, i)
         assert table is not None
         packed = codec.parse(part.payloads[i], view.numel)
         where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
@@ -657,11 +662,24 @@ class EngineFollower:
 
     def _segments_of(self, rank: int, i: int) -> tuple[np.ndarray, list[str | int]] | None:
         """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
-        name, the kept copy of a refused tensor by its index), or None where a tensor is held in
-        blocks the walk cannot address (then torch decodes the payload)."""
-        if (rank, i) not in self._segments:
-            self._segments[rank, i] = self._segment_table(views(self.run, rank)[i])
-        return self._segments[rank, i]
+        name, the kept copy of a refused tensor by its index), or None where it is not walked."""
+        return self._segments.get((rank, i))
+
+    def _segment_tables(self) -> dict[tuple[int, int], tuple[np.ndarray, list[str | int]]]:
+        """The payloads every worker of the group can walk (on the CPU, with numba; into tensors
+        held as runs or 2-D blocks), with this worker's segment tables: the group walks the same
+        payloads, or its partial sums would not line up."""
+        tables = {}
+        if sparse_walk.AVAILABLE and self.device.type == "cpu":
+            for rank, payloads in enumerate(self._views):
+                for i, view in enumerate(payloads):
+                    table = self._segment_table(view)
+                    if table is not None:
+                        tables[rank, i] = table
+        walkable = set(tables)
+        for theirs in self._gather_json(sorted(tables)):
+            walkable &= {(rank, i) for rank, i in theirs}
+        return {key: tables[key] for key in sorted(walkable)}
 
     def _segment_table(self, view: PayloadView) -> tuple[np.ndarray, list[str | int]] | None:
         rows: list[list[int]] = []
@@ -714,7 +732,7 @@ class EngineFollower:
     def _check(self, held: list[RankState]) -> None:
         partials, expected, params = [], [], self._params()
         for rank, state in enumerate(held):
-            for i, view in enumerate(views(self.run, rank)):
+            for i, view in enumerate(self._views[rank]):
                 partials.append(self._owned_sum(view, params))
                 expected.append((rank, i, state.header.step, state.checksums[i]))
         for (rank, i, step, want), got in zip(expected, self._sum(partials), strict=True):
@@ -876,7 +894,12 @@ def _flat(tensor: Tensor) -> Tensor:
 
 
 def _bytes(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    """A read-only view, not a copy: `exchange` only reads it (into its broadcast buffer)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns of every non-writable buffer
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:
