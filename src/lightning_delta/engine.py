@@ -81,7 +81,8 @@ class _Payload:
 @dataclass
 class EngineStep:
     """A verified step, not yet written: its parts, still compressed (a few bytes a change), which
-    `write` decodes again one payload at a time, so that no decoded step is held beside the engine."""
+    `write` decodes again one payload at a time, so that no decoded step is held beside the engine.
+    (`update` leaves the payloads `write` walks unverified: the walk checks them as it writes.)"""
 
     step: int
     states: list[RankState]  # per trainer rank, once written
