@@ -244,7 +244,7 @@ def _walked(old: torch.Tensor | None, new: torch.Tensor, payload: bytes) -> torc
     held = old.view(torch.int16).clone()
     whole = np.array([[0, new.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]] if new.numel() else [], dtype=np.int64)
     whole = whole.reshape(-1, len(sparse_walk.SEGMENT_FIELDS))
-    walk = sparse_walk.Walk(packed, whole, [held.numpy()])
+    walk = sparse_walk.Walk(packed, sparse_walk.Segments(whole, new.numel()), [held.numpy()])
     try:
         walk.apply()
     except FormatError:

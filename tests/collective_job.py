@@ -6,15 +6,18 @@ collective of the library:
 * claim: both ranks build a publisher on a prefix under a regular file, which rank 0 cannot write;
 * load: the workers of a replica load a step, and rank 1's store fails;
 * follow: the same replica follows, and rank 1's store fails at its second step;
-* engine: two tensor-parallel workers of the stand-in engine prepare a step, rank 1's store fails.
+* engine: two tensor-parallel workers of the stand-in engine prepare a step, rank 1's store fails;
+* walk: the same workers walk a step into the engine in place, and rank 1's walk fails halfway;
+  then rank 1 forgets the step it holds, and both load the next step from its base.
 
 Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took;
-and whether `exchange` hands every rank what each sent where a rank sends more items than the
-first broadcast's head holds sizes for ("many").
+and whether `exchange` hands every rank what each sent, for items that fit in the first broadcast's
+head, that just fit, that just do not, and more items than the head holds sizes for ("many").
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -28,7 +31,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import jobs
 from fused import Engine
-from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, PublisherSettings, Store, StoreError
+from lightning_delta import (
+    DeltaLoader,
+    DeltaPublisher,
+    FollowSettings,
+    FormatError,
+    PublisherSettings,
+    Store,
+    StoreError,
+    sparse_walk,
+)
 from lightning_delta.engine import EngineFollower
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.replica import exchange
@@ -113,11 +125,58 @@ def main() -> None:
     )
     report["engine"] = outcome(lambda: live.prepare(2))
 
-    def items(of: int) -> list[torch.Tensor]:  # rank 0 sends 3 items, rank 1 forty, of every size
-        return [torch.full((i * 7 % 11,), of * 100 + i, dtype=torch.uint8) for i in range(3 if of == 0 else 40)]
+    # rank 1 fails alone in the walk, after writing its second payload (as a malformed payload
+    # would stop it), while rank 0 walks them all and waits in the walk's exchange: both raise,
+    # and both take every walk back
+    def reload(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            engine.load_weights(name, tensor)
 
-    received = exchange(items(rank), dist.group.WORLD, torch.device("cpu"))
-    report["many"] = [[torch.equal(a, b) for a, b in zip(got, items(r), strict=True)] for r, got in enumerate(received)]
+    walker = EngineFollower(
+        Store(fused), view_map, lambda: dict(engine.named_parameters()), reload, group=dist.group.WORLD
+    )
+    walker.update(1)
+    before = {name: t.clone() for name, t in engine.state().items()}
+    apply, calls = sparse_walk.Walk.apply, [0]
+
+    def failing(walk: sparse_walk.Walk) -> int:
+        moved = apply(walk)
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:
+            raise FormatError("tensor payload holds fewer changes than its header says")
+        return moved
+
+    sparse_walk.Walk.apply = failing  # type: ignore[method-assign]
+    report["walk"] = outcome(lambda: walker.update(2))
+    sparse_walk.Walk.apply = apply  # type: ignore[method-assign]
+    report["walk_calls"] = calls[0]
+    report["walk_untouched"] = all(torch.equal(before[k], t) for k, t in engine.state().items())
+    prepared, _, _ = walker.update(2)
+    walker.verify()
+    report["walk_then"] = [len(prepared.walked), prepared.step]
+    if rank == 1:  # as a worker restarted alone would: it holds nothing, the other step 2
+        walker._held = None
+    prepared, _, _ = walker.update(3)
+    walker.verify()
+    report["differ_then"] = [prepared.held is None, prepared.step]  # both loaded step 3 from its base
+
+    # `exchange` at the edges of its head (128 int64 slots: status, count, sizes, then the items
+    # where they fit): every pair of these item sizes, one rank sending each
+    shapes = [[], [3] * 3, [1000], [8 * 125], [8 * 125 + 1], [1] * 40, [1] * 126, [0] * 127, [5] * 200]
+
+    def items(shape: list[int], of: int) -> list[torch.Tensor]:
+        return [(torch.arange(n) * (of + 3) + i).to(torch.uint8) for i, n in enumerate(shape)]
+
+    report["many"] = []
+    for mine, theirs in itertools.product(shapes, repeat=2):
+        sent = [mine, theirs]
+        received = exchange(items(sent[rank], rank), dist.group.WORLD, torch.device("cpu"))
+        report["many"].append(
+            all(
+                len(got) == len(sent[r]) and all(torch.equal(a, b) for a, b in zip(got, items(sent[r], r), strict=True))
+                for r, got in enumerate(received)
+            )
+        )
     with open(os.path.join(work, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

@@ -191,13 +191,22 @@ def test_a_replica_of_modules_refuses_together_and_decides_together(replica_run)
 
 def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_error(tmp_path):
     """No rank is left waiting: a publisher's claim on a prefix rank 0 cannot write, a replica's load
-    and follow, and an engine's prepare, where one rank's store fails.  Every rank raises the
-    failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
+    and follow, and an engine's prepare, where one rank's store fails; an engine's in-place walk,
+    where one worker's walk fails halfway (both then hold the step they held), and where the workers
+    hold different steps (both load the next from its base).  Every rank raises
+    the failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
     torchrun(ROOT / "tests" / "collective_job.py", str(tmp_path), timeout=240)
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         for case in ("claim", "load", "follow", "engine"):
             assert report[case][0] == "StoreError", (case, report[case])
         assert "Not a directory (a part of the path is a regular file)" in report["claim"][2]
-        assert report["many"] == [[True] * 3, [True] * 40]
+        assert report["many"] == [True] * 81
     assert "worker 1 of the group" in reports[0]["load"][2]  # rank 0 says whose error it raises
+    for report in reports:  # rank 1 failed in its second walk, rank 0 walked them all: both took them back
+        assert report["walk"][0] == "FormatError" and report["walk_untouched"], report["walk"]
+    walked = reports[0]["walk_then"][0]  # the payloads of step 2 that are walked in place
+    assert walked >= 2 and reports[1]["walk_then"] == [walked, 2]
+    assert [reports[0]["walk_calls"], reports[1]["walk_calls"]] == [walked, 2]
+    assert reports[0]["differ_then"] == reports[1]["differ_then"] == [True, 3]
+    assert "worker 1 of the group" in reports[0]["walk"][2]

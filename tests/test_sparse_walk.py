@@ -93,7 +93,7 @@ def test_a_walk_writes_the_change_where_the_table_says_and_undo_takes_it_back(ca
     moved = checksum_update(0, mine, olds, olds + (new[mine] - old[mine])) if owned else 0
 
     before = [p.clone() for p in params]
-    walk = sparse_walk.Walk(packed, table, [p.numpy() for p in params])
+    walk = sparse_walk.Walk(packed, sparse_walk.Segments(table, packed.n), [p.numpy() for p in params])
     assert walk.check() == moved
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))  # a check writes nothing
     assert walk.apply() == moved
@@ -146,7 +146,7 @@ def test_a_hostile_payload_is_refused_where_torch_refuses_it_and_leaves_nothing_
     held = torch.randint(-32768, 32768, (packed.n,), dtype=torch.int16)
     before = held.clone()
     whole = np.array([[0, packed.n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
-    walk = sparse_walk.Walk(codec.parse(payload, packed.n), whole, [held.numpy()])
+    walk = sparse_walk.Walk(codec.parse(payload, packed.n), sparse_walk.Segments(whole, packed.n), [held.numpy()])
     if steps is None:
         with pytest.raises(FormatError):
             walk.apply()
@@ -172,6 +172,8 @@ def test_a_segment_table_that_names_elements_outside_its_parameters_is_refused()
         [[0, 64, 0, 0, 0, 8, 0, 8, 4, 8, 8, 1]],  # columns 4..11 of 8
     ):
         with pytest.raises(ValueError):
-            sparse_walk.Walk(packed, np.array(bad, dtype=np.int64), [param])
-    sparse_walk.Walk(packed, np.array([run], dtype=np.int64), [param]).apply()
+            sparse_walk.Walk(packed, sparse_walk.Segments(np.array(bad, dtype=np.int64), 64), [param])
+    with pytest.raises(ValueError):  # a table for payloads of another size
+        sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 65), [param])
+    sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 64), [param]).apply()
     assert param[0] == 1 and not param[1:].any()

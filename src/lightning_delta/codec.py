@@ -496,16 +496,14 @@ def parse(payload: bytes | memoryview, numel: int) -> Packed:
             raise FormatError(f"CLASSED tensor payload with inconsistent header (n={n}, m={m}, k={k}, l={low_bits})")
         classes, pos = _read_classes(view, pos, n, m, _EXPONENT_SHIFT[dtype][1])
     sections = []
-    with warnings.catch_warnings():  # once a payload, not a section: it costs ~10 us each time
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: never written through
-        for size in _section_sizes(mode, n, m, k, low_bits, classes):
-            if pos >= len(view):
-                raise FormatError("tensor payload truncated before a section")
-            compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
-            if pos + stored > len(view):
-                raise FormatError(f"tensor payload truncated: section of {stored} bytes runs past the end")
-            data, pos = view[pos : pos + stored], pos + stored
-            sections.append(_as_bytes_tensor(_decompress(compressor, data, size)))
+    for size in _section_sizes(mode, n, m, k, low_bits, classes):
+        if pos >= len(view):
+            raise FormatError("tensor payload truncated before a section")
+        compressor, (stored, pos) = view[pos], _read_varint(view, pos + 1)
+        if pos + stored > len(view):
+            raise FormatError(f"tensor payload truncated: section of {stored} bytes runs past the end")
+        data, pos = view[pos : pos + stored], pos + stored
+        sections.append(byte_view(_decompress(compressor, data, size)))
     if pos != len(view):
         raise FormatError(f"tensor payload has {len(view) - pos} trailing bytes")
     return Packed(mode, coding, low_bits, dtype, n, m, k, tuple(sections), classes)
@@ -941,8 +939,14 @@ def _check_pair(old: Tensor, new: Tensor) -> None:
         )
 
 
-def _as_bytes_tensor(data: bytes | memoryview) -> Tensor:
+def byte_view(data: bytes | memoryview) -> Tensor:
+    """A uint8 tensor over `data`, not a copy (its users only read it)."""
     return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+with warnings.catch_warnings():  # torch warns once a process that a read-only buffer could be written
+    warnings.simplefilter("ignore", UserWarning)  # through its tensor: spent here, not guarded at each call
+    byte_view(b"\0")
 
 
 # ------------------------------------------------------------------ compressors

@@ -26,7 +26,6 @@ import json
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,6 +63,11 @@ larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
 (scripts/gpu_check.py)."""
 
 
+class _HeldDiffers(ChainError):
+    """The workers of a group hold different steps (every one of them raises it): each fetches
+    the step again from its base."""
+
+
 @dataclass
 class _Payload:
     """One payload at the target step, relative to the held state: `step` added at ascending
@@ -90,6 +94,7 @@ class EngineStep:
     held: list[RankState] | None  # what the chains apply to (None: every chain starts at a base)
     report: LoadReport
     generation: int
+    walked: frozenset[tuple[int, int]]  # (trainer rank, payload) that `write` walks in place
 
 
 class EngineFollower:
@@ -180,17 +185,14 @@ class EngineFollower:
         """`prepare`; without `verify`, the payloads `write` walks are left for it to check."""
         started, read_before = time.perf_counter(), self.store.bytes_read
         held, generation = self._held, self._generation
-        mine = json.dumps([s.header.step for s in held] if held else None).encode()
-        if self.group is not None and len(set(exchange_bytes(mine, self.group, torch.device("cpu")))) > 1:
-            held = None  # the workers disagree on what they hold: every one re-syncs from a base
         try:
-            states, chains, changed, fetched, share = self._prepare(step, held, verify)
+            states, chains, walked, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
-            if held is None or isinstance(err, StoreError):
+            if isinstance(err, StoreError) or (held is None and not isinstance(err, _HeldDiffers)):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
             held = None
-            states, chains, changed, fetched, share = self._prepare(step, None, verify)
+            states, chains, walked, changed, fetched, share = self._prepare(step, None, verify)
         report = LoadReport(
             step=step,
             kind=states[0].header.kind,
@@ -202,14 +204,14 @@ class EngineFollower:
             share_seconds=share,
             probe=states[0].probe,
         )
-        return EngineStep(step, states, chains, held, report, generation)
+        return EngineStep(step, states, chains, held, report, generation, walked)
 
     def _prepare(
         self, step: int, held: list[RankState] | None, verify: bool
-    ) -> tuple[list[RankState], list[tuple[fmt.Part, ...]], int, int, float]:
-        """Every rank's verified chain and state at `step`, the elements to write, the parts this
-        worker fetched, and the seconds of its fetch.  The payloads `write` walks are checked here
-        only with `verify` (each is checked again as it is written)."""
+    ) -> tuple[list[RankState], list[tuple[fmt.Part, ...]], frozenset[tuple[int, int]], int, int, float]:
+        """Every rank's verified chain and state at `step`, the payloads `write` walks, the elements
+        to write, the parts this worker fetched, and the seconds of its fetch.  The payloads `write`
+        walks are checked here only with `verify` (each is checked again as it is written)."""
         started = time.perf_counter()
         chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
@@ -220,7 +222,7 @@ class EngineFollower:
         partials: list[int] = []
         expected: list[tuple[int, int, int, int]] = []
         outcome: BaseException | None = None
-        changed, params, local = 0, self._params(), False
+        changed, params, local, walked = 0, self._params(), False, set()
         try:
             for rank, parts in enumerate(chains):
                 first = parts[0].header if parts else None
@@ -235,11 +237,12 @@ class EngineFollower:
                 state = held[rank] if held else None
                 for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
                     if state is not None and self._walkable(rank, i, parts):
+                        walked.add((rank, i))
                         entry = parts[0].entries[i]
                         changed += entry.changed
                         if verify:
                             local = True
-                            partials.append(self._walk_of(rank, i, parts[0], params).check())
+                            partials.append(self._walk_of(rank, i, parts[0], params, {}).check())
                             moved = (entry.checksum - state.checksums[i]) & _MASK64
                             expected.append((rank, i, parts[0].header.step, moved))
                         continue
@@ -263,14 +266,15 @@ class EngineFollower:
                     f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
                     "does not reproduce the trainer's checksum from the values the engine holds"
                 )
-        return states, chains, changed, fetched, share
+        return states, chains, frozenset(walked), changed, fetched, share
 
     def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int, bool]:
         """Every rank's parts (oldest first), the parts this worker fetched, and whether the step is
-        a base step; each worker fetches a share and sends the others its blobs."""
+        a base step; each worker fetches a share and sends the others its blobs, and the steps it
+        holds: `ChainError` on every worker if they differ (each then fetches from a base)."""
         world = self.run.world_size
         ours = range(self.rank, world, self.size)
-        fetched: dict[int, tuple[list[fmt.PartRef], list[bytes]]] = {}
+        fetched: dict[int, tuple[list[fmt.PartRef], Sequence[bytes | memoryview]]] = {}
         mine: list[Tensor] | BaseException
         try:
             if not self._reader.is_complete(step):
@@ -278,20 +282,24 @@ class EngineFollower:
             for rank in ours:
                 fetched[rank] = self._reader.fetch_blobs(step, rank, held[rank].header.step if held else None)
             mine = []
-            for refs, blobs in fetched.values() if self.group is not None else ():  # what the others need
-                mine.append(_bytes(json.dumps([asdict(r) for r in refs]).encode()))
-                mine += [_bytes(b) for b in blobs]
+            if self.group is not None:  # what the others need: the steps held here, and the blobs
+                mine.append(codec.byte_view(json.dumps([s.header.step for s in held] if held else None).encode()))
+                for refs, blobs in fetched.values():
+                    mine.append(codec.byte_view(json.dumps([asdict(r) for r in refs]).encode()))
+                    mine += [codec.byte_view(b) for b in blobs]
         except DeltaError as err:
             mine = err
         if self.group is not None:
             received = exchange(mine, self.group, torch.device("cpu"))
+            if len({bytes(pieces[0].numpy()) for pieces in received}) > 1:
+                raise _HeldDiffers("the workers of the group hold different steps")
             for src, pieces in enumerate(received):
                 if src == self.rank:
                     continue
-                rest = iter(pieces)
+                rest = iter(pieces[1:])
                 for rank in range(src, world, self.size):
                     refs = [_ref(r) for r in json.loads(bytes(next(rest).numpy()))]
-                    fetched[rank] = (refs, [bytes(next(rest).numpy()) for _ in refs])
+                    fetched[rank] = (refs, [next(rest).numpy().data for _ in refs])  # not copied
         elif isinstance(mine, BaseException):
             raise mine
         chains = [self._reader.parse(*fetched[rank], rank) for rank in range(world)]
@@ -496,11 +504,11 @@ class EngineFollower:
         if check and prepared.held is not None:
             self._check_changes(prepared)
         params = self._params()
-        walked, reload = self._walk(prepared, params)
+        reload = self._walk(prepared, params)
         for rank, parts in enumerate(prepared.chains):
             held = prepared.held[rank] if prepared.held else None
             for i, view in enumerate(self._views[rank]):
-                if (rank, i) in walked:
+                if (rank, i) in prepared.walked:
                     continue
                 for patch in self._patches(rank, i, parts, held, params):
                     if patch.whole is None and (patch.index is None or not patch.index.numel()):
@@ -521,7 +529,7 @@ class EngineFollower:
         partials, expected, params = [], [], self._params()
         for rank, (parts, state, held) in enumerate(zip(prepared.chains, prepared.states, prepared.held, strict=True)):
             for i, view in enumerate(self._views[rank]):
-                if self._walkable(rank, i, parts):
+                if (rank, i) in prepared.walked:
                     continue  # checked as it is written
                 moved, whole = 0, False
                 for patch in self._patches(rank, i, parts, held, params):
@@ -585,34 +593,42 @@ class EngineFollower:
             flat.index_add_(0, target, steps[held].to(flat.device))
         return False
 
-    def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> tuple[set[tuple[int, int]], bool]:
+    def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
         """Walk every walkable payload of a step in sync into the engine, checking each change's
         value as it is written (partial sums over the owned changes, summed over the group), and
         take every walk back if any payload fails on any worker: the step then leaves nothing
-        written.  Returns the payloads walked, and whether a kept copy changed."""
-        if prepared.held is None:
-            return set(), False
-        walks: list[tuple[tuple[int, int], sparse_walk.Walk]] = []
+        written.  Returns whether a kept copy changed."""
+        if not prepared.walked:
+            return False
+        assert prepared.held is not None
+        walked: list[tuple[int, int, int]] = []  # (rank, payload, changes written): its walk is dropped
         partials: list[int] = []
         expected: list[tuple[int, int, int]] = []
+        arrays: dict[str | int, np.ndarray] = {}
+        kept = False
         try:
             outcome: DeltaError | None = None
             try:
-                for rank, (parts, held) in enumerate(zip(prepared.chains, prepared.held, strict=True)):
-                    for i in range(len(self.run.payloads[rank])):
-                        if not self._walkable(rank, i, parts):
-                            continue
-                        walk = self._walk_of(rank, i, parts[0], params)
-                        walks.append(((rank, i), walk))
+                for rank, i in sorted(prepared.walked):
+                    part, held = prepared.chains[rank][0], prepared.held[rank]
+                    walk = self._walk_of(rank, i, part, params, arrays)
+                    try:
                         partials.append(walk.apply())
-                        expected.append((rank, i, (parts[0].entries[i].checksum - held.checksums[i]) & _MASK64))
+                    finally:
+                        walked.append((rank, i, walk.applied))
+                    table = self._segments_of(rank, i)
+                    assert table is not None
+                    kept |= any(walk.wrote(at) for at, name in enumerate(table[1]) if isinstance(name, int))
+                    expected.append((rank, i, (part.entries[i].checksum - held.checksums[i]) & _MASK64))
             except DeltaError as err:
                 outcome = err
             sums = partials
             if self.group is not None:  # every worker walked the same bytes; a local failure still stops all
-                mine = outcome or json.dumps(partials).encode()  # the partial sums ride with the outcomes
-                every = [json.loads(b) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
-                sums = [sum(column) & _MASK64 for column in zip(*every, strict=True)]
+                mine = outcome or np.array(partials, dtype=np.uint64).tobytes()  # the sums ride with the outcomes
+                every = np.stack(
+                    [np.frombuffer(b, dtype=np.uint64) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
+                )
+                sums = every.sum(axis=0, dtype=np.uint64).tolist()  # uint64 sums wrap: mod 2**64
             elif outcome is not None:
                 raise outcome
             for (rank, i, want), got in zip(expected, sums, strict=True):
@@ -623,16 +639,11 @@ class EngineFollower:
                         "trainer's checksum from the values the engine holds; nothing was written, and the next "
                         "step is written whole"
                     )
-        except BaseException:
-            for _, walk in reversed(walks):
-                walk.undo()
+        except BaseException:  # each payload walked again, backwards: its decoded sections were not kept
+            for rank, i, changes in reversed(walked):
+                self._walk_of(rank, i, prepared.chains[rank][0], params, arrays).undo(changes)
             raise
-        kept = False
-        for (rank, i), walk in walks:
-            table = self._segments_of(rank, i)
-            assert table is not None
-            kept |= any(walk.wrote(at) for at, name in enumerate(table[1]) if isinstance(name, int))
-        return {key for key, _ in walks}, kept
+        return kept
 
     def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
         """Whether payload `i` of `rank` is walked in place (`sparse_walk`): on the CPU, one SPARSE
@@ -645,7 +656,11 @@ class EngineFollower:
             and self._segments_of(rank, i) is not None
         )
 
-    def _walk_of(self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor]) -> sparse_walk.Walk:
+    def _walk_of(
+        self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
+    ) -> sparse_walk.Walk:
+        """Payload `i` of `rank`'s walk; `arrays` keeps the arrays of the parameters and kept
+        copies named so far (a step's payloads name each many times)."""
         view, table = self._views[rank][i], self._segments_of(rank, i)
         assert table is not None
         packed = codec.parse(part.payloads[i], view.numel)
@@ -654,19 +669,19 @@ class EngineFollower:
             raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
         if packed.m != part.entries[i].changed:
             raise fmt.FormatError(f"{where} changes {packed.m} elements, its header says {part.entries[i].changed}")
-        arrays = []
         for name in table[1]:  # a parameter, or the kept copy of a refused tensor
-            if isinstance(name, int) and name not in self._kept:
-                raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
-            arrays.append((_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy())
-        return sparse_walk.Walk(packed, table[0], arrays)
+            if name not in arrays:
+                if isinstance(name, int) and name not in self._kept:
+                    raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
+                arrays[name] = (_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy()
+        return sparse_walk.Walk(packed, table[0], [arrays[name] for name in table[1]])
 
-    def _segments_of(self, rank: int, i: int) -> tuple[np.ndarray, list[str | int]] | None:
+    def _segments_of(self, rank: int, i: int) -> tuple[sparse_walk.Segments, list[str | int]] | None:
         """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
         name, the kept copy of a refused tensor by its index), or None where it is not walked."""
         return self._segments.get((rank, i))
 
-    def _segment_tables(self) -> dict[tuple[int, int], tuple[np.ndarray, list[str | int]]]:
+    def _segment_tables(self) -> dict[tuple[int, int], tuple[sparse_walk.Segments, list[str | int]]]:
         """The payloads every worker of the group can walk (on the CPU, with numba; into tensors
         held as runs or 2-D blocks), with this worker's segment tables: the group walks the same
         payloads, or its partial sums would not line up."""
@@ -682,7 +697,7 @@ class EngineFollower:
             walkable &= {(rank, i) for rank, i in theirs}
         return {key: tables[key] for key in sorted(walkable)}
 
-    def _segment_table(self, view: PayloadView) -> tuple[np.ndarray, list[str | int]] | None:
+    def _segment_table(self, view: PayloadView) -> tuple[sparse_walk.Segments, list[str | int]] | None:
         rows: list[list[int]] = []
         names: dict[str | int, int] = {}
         for s, offset in zip(view.slices, view.offsets, strict=False):
@@ -707,7 +722,8 @@ class EngineFollower:
         rows.sort()
         if any(a[1] > b[0] for a, b in itertools.pairwise(rows)):
             return None  # several blocks of one tensor side by side: more than one segment a position
-        return np.array(rows, dtype=np.int64).reshape(-1, len(sparse_walk.SEGMENT_FIELDS)), list(names)
+        rows_array = np.array(rows, dtype=np.int64).reshape(-1, len(sparse_walk.SEGMENT_FIELDS))
+        return sparse_walk.Segments(rows_array, view.numel), list(names)
 
     def _kept_tensors(self) -> dict[str, Tensor]:
         specs = self.run.manifest.tensors
@@ -892,15 +908,6 @@ def _shift(where: slice | Tensor, by: int) -> slice | Tensor:
 
 def _flat(tensor: Tensor) -> Tensor:
     return tensor.detach().view(-1).view(torch.int16)
-
-
-def _bytes(data: bytes) -> Tensor:
-    """A read-only view, not a copy: `exchange` only reads it (into its broadcast buffer)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns of every non-writable buffer
-        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:

@@ -567,7 +567,7 @@ def decode_commit(marker: bytes) -> CommitMarker:
     return records.loads(marker, CommitMarker, what="commit marker", max_bytes=MAX_MARKER_BYTES)
 
 
-def verify_blob(blob: bytes, marker: CommitMarker) -> None:
+def verify_blob(blob: bytes | memoryview, marker: CommitMarker) -> None:
     """Check a blob against its commit marker."""
     if len(blob) != marker.size:
         raise FormatError(f"object is {len(blob)} bytes, its commit says {marker.size} (truncated?)")

@@ -83,7 +83,9 @@ class ChainReader:
             bar.update(1)
         return path, blobs
 
-    def parse(self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes], rank: int) -> tuple[fmt.Part, ...]:
+    def parse(
+        self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes | memoryview], rank: int
+    ) -> tuple[fmt.Part, ...]:
         """Parts from blobs (fetched here or by another worker of a group): each checked against its
         marker and parsed by `format.parse_part`, and together a chain, oldest first, whose links
         follow the markers."""

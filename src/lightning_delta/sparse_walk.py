@@ -22,7 +22,7 @@ import numpy as np
 from . import codec
 from .errors import FormatError
 
-__all__ = ["AVAILABLE", "SEGMENT_FIELDS", "Walk", "compile"]
+__all__ = ["AVAILABLE", "SEGMENT_FIELDS", "Segments", "Walk", "compile"]
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
 """Whether the walk can run here (numba importable); the engine follower decodes with torch where
@@ -55,14 +55,47 @@ _MESSAGES = {
 }
 
 
+class Segments:
+    """A segment table (rows of `SEGMENT_FIELDS`) for payloads of `n` positions, checked once: its
+    segments are disjoint, ascending and within the payload, and `needs[p]` is how many elements
+    parameter `p` must have for every target the table names (a walk trusts the table)."""
+
+    def __init__(self, rows: np.ndarray, n: int) -> None:
+        if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != len(SEGMENT_FIELDS):
+            raise ValueError(
+                f"a segment table is int64 of {len(SEGMENT_FIELDS)} columns, got {rows.dtype} {rows.shape}"
+            )
+        end, needs = 0, dict[int, int]()
+        for lo, hi, param, base, first, columns, _, height, column, width, stride, _ in rows.tolist():
+            if lo < end or hi > n:
+                raise ValueError(f"segment ({lo}, {hi}) overlaps another or runs past the payload's {n} positions")
+            end, last = hi, base + (hi - lo - 1 if columns == 0 else (height - 1) * stride + width - 1)
+            if not (0 <= lo < hi and param >= 0 and base >= 0) or (
+                columns and not (first >= 0 and column >= 0 and column + width <= columns and 0 < width <= stride)
+            ):
+                raise ValueError(f"segment ({lo}, {hi}) names elements outside parameter {param}")
+            needs[param] = max(needs.get(param, 0), last + 1)
+        self.n = n
+        self.needs = [needs.get(p, 0) for p in range(max(needs, default=-1) + 1)]
+        self._calls = [*rows.tolist(), [n, n, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0]]  # the last: past every segment
+
+
 class Walk:
     """One SPARSE payload's changes, applied to parameters (`params`, flat int16 arrays) through a
     segment table; `apply` once, then `undo` if the step must not stay written."""
 
-    def __init__(self, packed: codec.Packed, segments: np.ndarray, params: Sequence[np.ndarray]) -> None:
+    def __init__(self, packed: codec.Packed, segments: Segments, params: Sequence[np.ndarray]) -> None:
         if packed.mode != codec.Mode.SPARSE:
             raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
-        _check_segments(segments, [len(p) for p in params], packed.n)
+        if packed.n != segments.n:
+            raise ValueError(f"the segment table is for payloads of {segments.n} positions, not {packed.n}")
+        if len(params) < len(segments.needs) or any(
+            len(p) < need for p, need in zip(params, segments.needs, strict=False)
+        ):
+            raise ValueError(
+                f"the segment table names {segments.needs} elements of its parameters, "
+                f"which hold {[len(p) for p in params]}"
+            )
         self._sections = tuple(np.ascontiguousarray(s.numpy()) for s in packed.sections)
         self._fields = (packed.n, packed.m, packed.k, packed.low_bits)
         self._segments, self._params = segments, params
@@ -89,20 +122,20 @@ class Walk:
             raise FormatError(_MESSAGES[_Status(status)])
         return moved & ((1 << 64) - 1)
 
-    def undo(self) -> None:
-        """Subtract what `apply` added: the parameters hold what they held before it."""
-        self._run(-1, self.applied)
+    def undo(self, changes: int | None = None) -> None:
+        """Subtract what `apply` added (its first `changes` changes, by default those of this
+        walk's last `apply`): the parameters hold what they held before it."""
+        self._run(-1, self.applied if changes is None else changes)
         self.applied = 0
 
     def _run(self, sign: int, limit: int) -> tuple[int, int, int]:
         """One kernel call a segment, the decoder's state carried from each to the next, and one
         for the positions after the last (decoded and checked, held by no one here)."""
-        state, moved, n = np.zeros(_STATE, dtype=np.int64), 0, self._fields[0]
+        state, moved = np.zeros(_STATE, dtype=np.int64), 0
         self._wrote.clear()
         state[_BITS], state[_LAST] = (self._sections[1][0] if len(self._sections[1]) else 0), -1
-        nowhere = np.empty(0, dtype=np.int16)
-        for lo, hi, param, *geometry in [*self._segments.tolist(), [n, n, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0]]:
-            flat = self._params[param] if param >= 0 else nowhere
+        for lo, hi, param, *geometry in self._segments._calls:
+            flat = self._params[param] if param >= 0 else _NOWHERE
             status, part, held = _kernel()(*self._sections, *self._fields, state, flat, lo, hi, *geometry, sign, limit)
             moved += int(part)
             if held and sign:
@@ -119,24 +152,6 @@ def compile() -> None:
     _kernel()(*sections, 0, 0, 0, 0, state, np.empty(0, dtype=np.int16), *[0] * 11, 1, -1)
 
 
-def _check_segments(segments: np.ndarray, sizes: list[int], n: int) -> None:
-    """Segments are disjoint, ascending, within the payload's `n` positions, and every target one
-    can name lies in its parameter: the walk trusts the table."""
-    if segments.dtype != np.int64 or segments.ndim != 2 or segments.shape[1] != len(SEGMENT_FIELDS):
-        raise ValueError(
-            f"a segment table is int64 of {len(SEGMENT_FIELDS)} columns, got {segments.dtype} {segments.shape}"
-        )
-    end = 0
-    for lo, hi, param, base, first, columns, _, rows, column, width, stride, _ in segments.tolist():
-        if lo < end or hi > n:
-            raise ValueError(f"segment ({lo}, {hi}) overlaps another or runs past the payload's {n} positions")
-        end, last = hi, base + (hi - lo - 1 if columns == 0 else (rows - 1) * stride + width - 1)
-        if not (0 <= lo < hi and 0 <= param < len(sizes) and base >= 0 and last < sizes[param]) or (
-            columns and not (first >= 0 and column >= 0 and column + width <= columns and 0 < width <= stride)
-        ):
-            raise ValueError(f"segment ({lo}, {hi}) names elements outside parameter {param}")
-
-
 _CTZ = np.array([0] + [(i & -i).bit_length() - 1 for i in range(1, 256)], dtype=np.int64)
 _K1 = np.int64(0x9E3779B97F4A7C15 - (1 << 64))  # checksum.py's mix, as wrapping int64 arithmetic
 _K2 = np.int64(0xBF58476D1CE4E5B9 - (1 << 64))
@@ -149,6 +164,7 @@ def _mix(x: np.int64) -> np.int64:
     return x ^ (x >> 29)
 
 
+_NOWHERE = np.empty(0, dtype=np.int16)
 _BLOCK = 256
 """Changes decoded before any is written: their loads are issued side by side, not one cache miss at a time."""
 _STATE = 5
