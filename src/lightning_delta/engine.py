@@ -223,6 +223,7 @@ class EngineFollower:
         expected: list[tuple[int, int, int, int]] = []
         outcome: BaseException | None = None
         changed, params, local, walked = 0, self._params(), False, set()
+        arrays: dict[str | int, np.ndarray] = {}
         try:
             for rank, parts in enumerate(chains):
                 first = parts[0].header if parts else None
@@ -242,7 +243,7 @@ class EngineFollower:
                         changed += entry.changed
                         if verify:
                             local = True
-                            partials.append(self._walk_of(rank, i, parts[0], params, {}).check())
+                            partials.append(self._walk_of(rank, i, parts[0], params, arrays).check())
                             moved = (entry.checksum - state.checksums[i]) & _MASK64
                             expected.append((rank, i, parts[0].header.step, moved))
                         continue
