@@ -77,7 +77,9 @@ class Segments:
             needs[param] = max(needs.get(param, 0), last + 1)
         self.n = n
         self.needs = [needs.get(p, 0) for p in range(max(needs, default=-1) + 1)]
-        self._calls = [*rows.tolist(), [n, n, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0]]  # the last: past every segment
+        self.calls = [*rows.tolist(), [n, n, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
+        """The kernel's calls: a segment each, then one past every segment (its changes are decoded
+        and checked, held by no one here)."""
 
 
 class Walk:
@@ -129,12 +131,11 @@ class Walk:
         self.applied = 0
 
     def _run(self, sign: int, limit: int) -> tuple[int, int, int]:
-        """One kernel call a segment, the decoder's state carried from each to the next, and one
-        for the positions after the last (decoded and checked, held by no one here)."""
+        """One kernel call a segment (`Segments.calls`), the decoder's state carried from each to the next."""
         state, moved = np.zeros(_STATE, dtype=np.int64), 0
         self._wrote.clear()
         state[_BITS], state[_LAST] = (self._sections[1][0] if len(self._sections[1]) else 0), -1
-        for lo, hi, param, *geometry in self._segments._calls:
+        for lo, hi, param, *geometry in self._segments.calls:
             flat = self._params[param] if param >= 0 else _NOWHERE
             status, part, held = _kernel()(*self._sections, *self._fields, state, flat, lo, hi, *geometry, sign, limit)
             moved += int(part)
