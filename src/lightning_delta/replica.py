@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import errors
+from .codec import byte_view
 from .errors import DeltaError
 
 __all__ = ["agree", "exchange", "exchange_bytes", "group_device"]
@@ -101,7 +102,7 @@ def exchange(
 
 def exchange_bytes(mine: bytes | BaseException, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
     """`exchange` of one byte string per rank."""
-    payload = mine if isinstance(mine, BaseException) else [_bytes(mine)]
+    payload = mine if isinstance(mine, BaseException) else [byte_view(mine)]
     return [bytes(pieces[0].cpu().numpy()) for pieces in exchange(payload, group, device)]
 
 
@@ -135,9 +136,5 @@ def _place(items: list[Tensor], data: Tensor) -> None:
 def _describe(error: BaseException) -> Tensor:
     """The error as the others raise it: its class name if it is one of ours, and its message."""
     if isinstance(error, DeltaError):
-        return _bytes(f"{type(error).__name__}\n{error}".encode())
-    return _bytes(f"{DeltaError.__name__}\n{type(error).__name__}: {error}".encode())
-
-
-def _bytes(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return byte_view(f"{type(error).__name__}\n{error}".encode())
+    return byte_view(f"{DeltaError.__name__}\n{type(error).__name__}: {error}".encode())
