@@ -18,6 +18,9 @@ from conftest import ROOT, run_all
 
 pytestmark = pytest.mark.slow
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# the machines' AMX quirk (see sitecustomize.py there), then this checkout's own source: the vLLM venv's
+# editable install may point at another checkout (a git worktree)
+VLLM_PATH = os.pathsep.join([str(ROOT / "tests" / "vllm_env"), str(ROOT / "src")])
 APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3 is damaged, 4's chain passes it
 
 
@@ -26,7 +29,7 @@ def run(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
         pytest.fail(f"{PYTHON} is missing: scripts/setup.sh makes the vLLM venv these tests run in")
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT / "tests" / "vllm_env"),  # the machines' AMX quirk (see sitecustomize.py there)
+        "PYTHONPATH": VLLM_PATH,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the jobs read the workers' reports with callables
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
@@ -101,7 +104,7 @@ def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_pat
 
     def generate(python: Path, *extra: str) -> list[list[str]]:
         cmd = [str(python), str(ROOT / "scripts" / "generate.py"), *extra, f"store.url={tmp_path / 'store'}"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "vllm_env"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {**os.environ, "PYTHONPATH": VLLM_PATH, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS="1")
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
