@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from lightning_delta import (
     ConflictError,
     DeltaLoader,
     DeltaPublisher,
+    FollowSettings,
     Mirror,
     MirrorSettings,
     PublisherSettings,
@@ -255,3 +257,35 @@ def test_the_mirror_command_copies_a_chain_and_reports_as_json(tmp_path, capsys)
     assert main(["mirror", str(tmp_path / "nothing"), dst]) == 2
     assert "no lightning_delta run" in capsys.readouterr().err
     assert Path(dst, fmt.RUN_MANIFEST).exists()
+
+
+def test_a_following_mirror_feeds_a_follower_at_the_mirror_while_the_trainer_publishes(tmp_path):
+    home, region = str(tmp_path / "home"), str(tmp_path / "region")
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth: dict = {}
+    publisher = DeltaPublisher(home, model, PublisherSettings(base_every=3))
+    trainer = threading.Thread(target=lambda: truth.update(train(publisher, model, 8)))
+    stop, passes = threading.Event(), []
+    mirror = Mirror(home, region, MirrorSettings(poll_seconds=0.01))
+    mirroring = threading.Thread(target=lambda: passes.extend(mirror.follow(stop)))
+    trainer.start()
+    mirroring.start()
+    seen = {}
+    try:
+        for followed in DeltaLoader(region).follow(FollowSettings(poll_seconds=0.01, timeout=120)):
+            seen[followed.step] = followed.tensors
+            if followed.step == 8:
+                break
+    finally:
+        stop.set()
+        mirroring.join()
+        trainer.join()
+        publisher.close()
+        mirror.close()
+    assert max(seen) == 8 and all(s in truth for s in seen)
+    for step, tensors in seen.items():
+        assert_state(tensors, truth[step])
+    copied = [p.bytes_copied for p in passes]
+    assert copied == sorted(copied) and passes[-1].mirror_step == 8 and passes[-1].steps_behind == 0
+    assert passes[-1].bytes_copied == sum(p.stat().st_size for p in Path(home).rglob("*") if p.is_file())
