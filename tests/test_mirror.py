@@ -181,14 +181,27 @@ def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():
     assert assert_loads(Store(mirror), truth) == [10, 11]
 
 
-def test_a_mirror_keeps_its_own_bases():
-    source = DictObjects()
-    truth = publish(source, 11, base_every=3)  # bases at 1, 4, 7, 10; the source keeps them all
-    with Mirror(Store(source), Store(mirror := DictObjects()), MirrorSettings(keep_bases=2)) as m:
-        assert m.sync().steps_deleted == 6
-        m.sync()
+def test_a_mirror_keeps_its_own_bases_and_never_copies_what_it_would_delete():
+    source, mirror = DictObjects(), Recording()
+    torch.manual_seed(0)
+    model = TinyLM()
+    with (
+        DeltaPublisher(Store(source), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(source), Store(mirror), MirrorSettings(keep_bases=2)) as m,
+    ):
+        truth = train(publisher, model, 8)  # bases at 1, 4, 7; the source keeps them all
+        publisher.flush()
+        assert m.sync().steps_deleted == 0  # a new mirror starts at the 2nd newest base
+        assert Store(mirror).published_steps() == [4, 5, 6, 7, 8]
+        for step in (9, 10, 11):  # a base at 10
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        assert m.sync().steps_deleted == 3
     assert assert_loads(Store(mirror), truth) == [7, 8, 9, 10, 11]
     assert Store(source).published_steps() == list(range(1, 12))
+    written = {int(k.split("/")[2]) for e, k in mirror.events if e == "create" and k.startswith("steps/")}
+    assert written == set(range(4, 12))
 
 
 def test_a_destination_that_holds_another_run_is_refused_and_left_alone():

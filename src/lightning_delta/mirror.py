@@ -151,7 +151,7 @@ class Mirror:
         self._lock = threading.Lock()  # the metrics and caches, updated by the copying threads
         self._world: int | None = None  # the run's ranks, once its manifest is at the mirror
         self._markers: dict[str, bytes] = {}  # source markers read, until their step is mirrored
-        self._checked: set[str] = set()  # blobs at the mirror known to match their markers
+        self._checked: set[str] = set()  # objects at the mirror known to be the source's, until then
         self._done: set[int] = set()  # steps complete at the mirror
         self._seen: dict[int, float] = {}  # steps not yet mirrored -> when first seen at the source
         self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
@@ -189,11 +189,15 @@ class Mirror:
         """One pass: copy what the source holds and the mirror does not, then apply retention."""
         world = self._claim()
         if world is None:
-            return self.metrics
+            with self._lock:
+                return replace(self.metrics)
         listed = self.source.published_steps()
         floor = max(self._skip_below, self._floor or 0)
         names = {s: self._source_parts(s, world) for s in listed if s not in self._done and s >= floor}
         complete = {s for s, parts in names.items() if _ranks(parts) == world}
+        start = self._start(complete, names)
+        names = {s: parts for s, parts in names.items() if s >= start}
+        complete = {s for s in complete if s >= start}
         now = time.monotonic()
         for step in complete:
             self._seen.setdefault(step, now)
@@ -210,9 +214,7 @@ class Mirror:
         if self._world is not None:
             return self._world
         data = self._read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES)
-        if data is None:
-            if self.source.objects.list("steps"):
-                raise FormatError(f"{self.source.url} holds steps but no {fmt.RUN_MANIFEST}: not a chain to mirror")
+        if data is None:  # no run yet (or a replicated source that has not received its manifest)
             return None
         run = fmt.decode_manifest(data)
         held = self.destination.objects.get(fmt.RUN_MANIFEST, 0, fmt.MAX_MANIFEST_BYTES + 1)
@@ -231,6 +233,39 @@ class Mirror:
                 self._write(key, found)
         self._world = run.world_size
         return self._world
+
+    def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
+        """The first step worth copying: with `keep_bases`, a mirror that holds none of them yet
+        starts at the source's `keep_bases`-th newest complete base (its markers are read once,
+        and kept for the copy)."""
+        keep = self.settings.keep_bases
+        if keep is None or self._floor is not None or self._done:
+            return 0
+        found = 0
+        for step in sorted(complete, reverse=True):
+            kinds = [self._source_marker(p) for p in names[step] if not p.bridge]
+            if all(k is not None and k.kind == fmt.Kind.BASE for k in kinds):
+                found += 1
+                if found == keep:
+                    return step
+        return 0
+
+    def _source_marker(self, part: _Part) -> fmt.CommitMarker | None:
+        """A source marker, read once and kept until its step is mirrored; None if it is gone or
+        damaged (`_prepare` says which)."""
+        with self._lock:
+            data = self._markers.get(part.marker_key)
+        if data is None:
+            data = self._read(part.marker_key, fmt.MAX_MARKER_BYTES)
+        if data is None:
+            return None
+        try:
+            marker = fmt.decode_commit(data)
+        except FormatError:
+            return None
+        with self._lock:
+            self._markers[part.marker_key] = data
+        return marker
 
     def _source_parts(self, step: int, world: int) -> list[_Part]:
         """The parts committed at the source for `step` (of the run's world size), by listing."""
@@ -275,9 +310,10 @@ class Mirror:
                 for done in [self._pool.submit(self._write, o.part.marker_key, o.marker) for o in writes]:
                     done.result()
             with self._lock:
-                for part in names[step]:
+                self._checked.update(o.part.marker_key for o in ready)
+                for part in names[step] if step in complete else ():  # done with for good
                     self._markers.pop(part.marker_key, None)
-                    self._checked.discard(part.blob_key)
+                    self._checked -= {part.marker_key, part.blob_key}
             if step in complete:
                 self._done.add(step)
                 self._seen.pop(step, None)
@@ -300,8 +336,10 @@ class Mirror:
         with self._lock:
             self._markers[part.marker_key] = data
             checked = part.blob_key in self._checked
-        if marker_name in at_mirror:  # by commit order its blob was written and checked first
-            self._same(part.marker_key, data)
+            there = part.marker_key in self._checked
+        if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
+            if not there:
+                self._same(part.marker_key, data)
             return _Ready(part, data, marker.kind, there=True)
         if not checked:
             if blob_name in at_mirror:
