@@ -153,6 +153,7 @@ class _End:
 
 
 _NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # decisions besides a step number
+_WAIT, _LOST, _BROKEN = 0, 1, 2  # a step that failed: not complete yet, missing too long, damaged
 
 
 class _Turn:
@@ -217,9 +218,9 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
         handed_out = False
 
         def overdue(err: MissingObjectError) -> bool:
-            """Whether `err`'s object has been missing for `missing_after` (agreed by a replica)."""
+            """Whether `err`'s object has been missing for `missing_after` (as this worker saw it)."""
             since = missing.setdefault(err.key, time.monotonic())
-            return bool(source.decide(int(time.monotonic() - since >= settings.missing_after))[0])
+            return time.monotonic() - since >= settings.missing_after
 
         def attempt(step: int) -> StepPatch | DeltaError | None:
             """`step` prepared; None if an object it needs is not there yet; the error if the step
@@ -228,12 +229,17 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                 return source.prepare(step, resync_missing=False)
             except StoreError:
                 raise
-            except MissingObjectError as err:
-                if not overdue(err):
-                    log.debug("step %d is not complete yet, trying again at the next poll: %s", step, err)
-                    return None
             except DeltaError as err:
-                return err
+                error = err
+            verdict = _BROKEN
+            if isinstance(error, MissingObjectError):
+                verdict = _LOST if overdue(error) else _WAIT
+            verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
+            if verdict == _WAIT:
+                log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
+                return None
+            if verdict == _BROKEN:
+                return error
             try:  # missing for too long: damage, which a base may still rebuild the step around
                 return source.prepare(step)
             except StoreError:
