@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -302,3 +303,20 @@ def test_a_following_mirror_feeds_a_follower_at_the_mirror_while_the_trainer_pub
     copied = [p.bytes_copied for p in passes]
     assert copied == sorted(copied) and passes[-1].mirror_step == 8 and passes[-1].steps_behind == 0
     assert passes[-1].bytes_copied == sum(p.stat().st_size for p in Path(home).rglob("*") if p.is_file())
+
+
+def test_the_mirror_command_follows_with_a_progress_line_until_interrupted(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = published_run(src, 4, base_every=3)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "lightning_delta.cli", "mirror", src, dst, "--follow", "--poll-seconds", "0.05"]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("mirror at step 4 of 4, 0 behind, ") and "bytes copied" in line and "lag" in line
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert_loads(dst, truth, [1, 2, 3, 4])
