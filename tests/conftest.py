@@ -178,6 +178,43 @@ class DictObjects:
             del self.objects[k]
 
 
+class Revealing:
+    """A published chain's objects, shown to a follower in a given order: one more batch at each
+    poll (each listing of `steps`), the way a replicated bucket fills, in no particular order."""
+
+    def __init__(
+        self, objects: dict[str, bytes], order: list[str], batches: list[int], hidden: frozenset = frozenset()
+    ):
+        self.url, self.bytes_read = "dict://replica", 0
+        self.all, self.order, self.batches, self.hidden = objects, order, batches, hidden
+        self.shown: set[str] = set()
+        self.polls = 0
+
+    def _reveal(self) -> None:
+        count = self.batches[self.polls % len(self.batches)]
+        self.polls += 1
+        for key in [k for k in self.order if k not in self.shown and k not in self.hidden][:count]:
+            self.shown.add(key)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if key not in self.shown:
+            return None
+        data = self.all[key][start:end]
+        self.bytes_read += len(data)
+        return data
+
+    def list(self, key: str) -> list[str]:
+        if key == "steps":
+            self._reveal()
+        prefix = f"{key}/"
+        return sorted({k[len(prefix) :].split("/")[0] for k in self.shown if k.startswith(prefix)})
+
+    def put(self, key: str, data: bytes) -> None:
+        raise AssertionError("a follower never writes")
+
+    create = delete = delete_prefix = put  # type: ignore[assignment]
+
+
 class HookedObjects:
     """The local (or any fsspec) object store, calling the test's hooks before each write, read and
     listing (with the key): how tests slow, stall, fail or watch a store without touching the

@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, bitwise_equal, torchrun
+from conftest import ROOT, Revealing, bitwise_equal, torchrun
 from lightning_delta import (
     ChainError,
     ChecksumError,
     DeltaLoader,
+    FollowSettings,
     FormatError,
+    Mirror,
     SnapshotNotFoundError,
     Store,
 )
@@ -210,3 +212,50 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     assert [reports[0]["walk_calls"], reports[1]["walk_calls"]] == [walked, 2]
     assert reports[0]["differ_then"] == reports[1]["differ_then"] == [True, 3]
     assert "worker 1 of the group" in reports[0]["walk"][2]
+
+
+# ----------------------------------------------------------------------------- stores that fill out of order
+
+
+def objects_of(store: str) -> dict[str, bytes]:
+    root = Path(store)
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_follower_of_a_two_rank_chain_revealed_out_of_order_hands_out_only_exact_steps(fsdp2_run, seed):
+    """One rank's part of a step before the other's, one rank's chain ahead of the other's."""
+    store, truth = fsdp2_run
+    objects = objects_of(store)
+    rng = random.Random(seed)
+    order = sorted(objects)
+    rng.shuffle(order)
+    revealing = Revealing(objects, order, [rng.randint(1, 12) for _ in range(5)])
+    seen = []
+    for followed in DeltaLoader(Store(revealing)).follow(FollowSettings(poll_seconds=0.001, timeout=120)):
+        expected = truth_at(truth, followed.step)
+        assert all(bitwise_equal(followed.tensors[n], t) for n, t in expected.items()), followed.step
+        assert followed.skipped == ()
+        seen.append(followed.step)
+        if followed.step == 30:
+            break
+    assert seen == sorted(set(seen)) and seen[-1] == 30
+
+
+def test_a_mirror_of_a_two_rank_chain_with_an_incomplete_step_serves_what_the_source_serves(store_copy):
+    store, truth = store_copy
+    Path(store, fmt.commit_path(15, 1, 2)).unlink()  # 15 incomplete; rank 1's 16..20 chain through it
+    mirror = str(Path(store).parent / "mirror")
+    with Mirror(store, mirror) as m:
+        metrics = m.sync()
+    assert metrics.mirror_step == 30 and metrics.stopped_at is None
+    assert DeltaLoader(mirror).steps() == DeltaLoader(store).steps()
+    assert Path(mirror, fmt.commit_path(15, 0, 2)).exists()  # rank 0's part, which its 16 needs
+    for step in (14, 16, 21, 30):
+        for where in (store, mirror):
+            if step == 16:
+                with pytest.raises(ChainError, match="step 15"):
+                    DeltaLoader(where).state_dict(step)
+                continue
+            state = DeltaLoader(where).state_dict(step)[1]
+            assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, step).items()), (where, step)

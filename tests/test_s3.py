@@ -306,3 +306,32 @@ def test_missing_credentials_are_named(s3_endpoint):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "no usable credentials" in proc.stdout and s3_endpoint in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_mirror_copies_a_chain_from_one_bucket_to_another_and_on_to_a_local_zone(s3_url, tmp_path, capsys):
+    from lightning_delta import Mirror
+    from lightning_delta.cli import main
+
+    url, options = s3_url
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(url, model, PublisherSettings(base_every=3), storage_options=options) as publisher:
+        truth = train(publisher, model, range(1, 8))
+    region = f"s3://region-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(region.removeprefix("s3://"))
+    region += "/run"
+    given = json.dumps(options)
+    argv = ["mirror", url, region, "--storage-options", given, "--dst-storage-options", given, "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["mirror_step"] == 7
+    assert main(argv) == 0  # a second pass finds everything there and writes nothing
+    assert json.loads(capsys.readouterr().out)["objects_copied"] == 0
+    zone = str(tmp_path / "zone")
+    with Mirror(region, zone, source_options=options) as mirror:
+        assert mirror.sync().mirror_step == 7
+    for where, opts in ((region, options), (zone, None)):
+        loader = DeltaLoader(where, storage_options=opts)
+        assert loader.steps() == list(range(1, 8))
+        for step in (1, 4, 7):
+            state = DeltaLoader(where, storage_options=opts).state_dict(step)[1]
+            assert all(bitwise_equal(state[k], v) for k, v in truth[step].items()), (where, step)

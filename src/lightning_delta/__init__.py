@@ -16,6 +16,7 @@ from .errors import (
     ConflictError,
     DeltaError,
     FormatError,
+    MissingObjectError,
     ModelMismatchError,
     PublishError,
     SnapshotNotFoundError,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .follow import FollowedStep, FollowSettings
     from .format import DType
     from .loader import DeltaLoader, FullCheck, LoaderSettings
+    from .mirror import Mirror, MirrorMetrics, MirrorSettings
     from .patch import LoadReport
     from .publisher import Backlog, DeltaPublisher, PublisherSettings
     from .store import Store
@@ -50,6 +52,10 @@ __all__ = [
     "FullCheck",
     "LoadReport",
     "LoaderSettings",
+    "Mirror",
+    "MirrorMetrics",
+    "MirrorSettings",
+    "MissingObjectError",
     "ModelMismatchError",
     "PublishError",
     "PublisherSettings",
@@ -72,6 +78,9 @@ _LAZY = {
     "FullCheck": "loader",
     "LoadReport": "patch",
     "LoaderSettings": "loader",
+    "Mirror": "mirror",
+    "MirrorMetrics": "mirror",
+    "MirrorSettings": "mirror",
     "PublisherSettings": "publisher",
     "Store": "store",
 }

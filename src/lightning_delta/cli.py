@@ -6,6 +6,7 @@
     lightning-delta materialize STORE --step N OUT_DIR --config MODEL_DIR  # a from_pretrained folder
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
+    lightning-delta mirror SRC DST [--follow] [--keep-bases K] [--dst-storage-options JSON]
 
 Every command takes `--json` and `--storage-options JSON` (fsspec options, e.g. an S3 endpoint;
 `AWS_ENDPOINT_URL` and fsspec's own config files work too).  Errors print one line and exit 2;
@@ -234,6 +235,34 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mirror(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .mirror import Mirror, MirrorSettings
+
+    settings = MirrorSettings(keep_bases=args.keep_bases, threads=args.threads, poll_seconds=args.poll_seconds)
+    options = {"source_options": args.storage_options, "destination_options": args.dst_storage_options}
+    with Mirror(args.store, args.destination, settings, **options) as mirror:
+        if not args.follow:
+            metrics = mirror.sync()
+            if not mirror.has_run:
+                raise SnapshotNotFoundError(f"no lightning_delta run at {mirror.source.url} to mirror")
+            if args.json:
+                return _emit(asdict(metrics))
+            print(metrics.line())
+            return 0
+        shown = None
+        try:
+            for metrics in mirror.follow():  # a line whenever the mirror moved, until interrupted
+                state = (metrics.source_step, metrics.mirror_step, metrics.bytes_copied, metrics.stopped_at)
+                if state != shown:
+                    shown = state
+                    print(json.dumps(asdict(metrics)) if args.json else metrics.line(), flush=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def _emit(value: Any) -> int:
     json.dump(value, sys.stdout, indent=2)
     print()
@@ -301,6 +330,17 @@ def parser() -> argparse.ArgumentParser:
     gc = command("gc", "delete steps older than the K newest complete bases", _gc)
     gc.add_argument("--keep-bases", type=int, required=True)
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    mirror = command("mirror", "copy the chain to another store in commit order (a region's mirror)", _mirror)
+    mirror.add_argument("destination", help="fsspec URL or local path of the mirror")
+    mirror.add_argument("--follow", action="store_true", help="keep mirroring new steps until interrupted")
+    mirror.add_argument(
+        "--keep-bases", type=int, help="keep the K newest bases at the mirror (default: delete what the source deleted)"
+    )
+    mirror.add_argument(
+        "--dst-storage-options", type=_options, default={}, metavar="JSON", help="fsspec options of the destination"
+    )
+    mirror.add_argument("--threads", type=int, default=8, help="objects copied at once")
+    mirror.add_argument("--poll-seconds", type=float, default=1.0, help="seconds between passes with --follow")
     return p
 
 

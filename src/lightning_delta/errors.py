@@ -12,6 +12,7 @@ __all__ = [
     "ConflictError",
     "DeltaError",
     "FormatError",
+    "MissingObjectError",
     "ModelMismatchError",
     "PublishError",
     "SnapshotNotFoundError",
@@ -34,6 +35,20 @@ class ChecksumError(DeltaError, ValueError):
 
 class ChainError(DeltaError):
     """A delta's link to its predecessor is missing or points at a different snapshot."""
+
+
+class MissingObjectError(ChainError, FormatError):
+    """An object a committed step needs is not in the store: lost, or not there *yet* on a store
+    that fills out of order (a replicated bucket).  A follower retries it at its next poll and
+    counts it as damage only once `FollowSettings.missing_after` has passed.  It is a `ChainError`
+    (a link is missing) and a `FormatError` (a committed object is missing), as it was before it
+    had a name of its own."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key or message
+        """The missing object's key below the store's prefix (a worker of a group that learns of
+        the error from another has only its message)."""
 
 
 class StoreError(DeltaError, OSError):

@@ -7,7 +7,11 @@ the previous one is settled (written, or passed over by the caller), so it alway
 the state the write will meet.  A follower that fell behind jumps to the newest step (the deltas in
 between are composed into one patch); a step whose chain is broken (a lost delta, a corrupt object)
 is logged and skipped, so the follower re-syncs at the next step that rebuilds, at the latest the
-next base.  Every decision is taken in that thread and, with a replica, agreed by all its workers.
+next base.  A store that fills out of order (a replicated bucket) may list a step before every
+object it needs is there: such a step is not complete yet, not damage; the follower takes the
+newest step that is, and tries the other again at its next poll, until `missing_after` says an
+object is lost.  Every decision is taken in that thread and, with a replica, agreed by all its
+workers.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .errors import DeltaError, StoreError
+from .errors import DeltaError, MissingObjectError, StoreError
 from .patch import LoadReport, StepPatch
 
 __all__ = ["FollowSettings", "FollowedStep", "follow"]
@@ -48,6 +52,11 @@ class FollowSettings:
     """Jump to the newest complete step; False hands out every complete step in order (replay)."""
     timeout: float | None = None
     """End the iteration after this many seconds without a new step; None follows forever."""
+    missing_after: float = 120.0
+    """Seconds an object a listed step needs may stay missing before the step counts as damage (is
+    logged and skipped); until then the step is not complete yet and tried again at each poll.
+    Replicated buckets (S3 replication, rclone, gsutil rsync) copy objects in no particular order,
+    so a commit marker can arrive before its blob, or a step before the step it chains to."""
 
     def __post_init__(self) -> None:
         if self.poll_seconds <= 0:
@@ -56,6 +65,8 @@ class FollowSettings:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 or None, got {self.timeout}")
+        if self.missing_after < 0:
+            raise ValueError(f"missing_after must be >= 0, got {self.missing_after}")
 
 
 class Source(Protocol):
@@ -74,7 +85,7 @@ class Source(Protocol):
 
     def decide(self, value: int | BaseException) -> list[int]: ...
 
-    def prepare(self, step: int) -> StepPatch: ...
+    def prepare(self, step: int, *, resync_missing: bool = True) -> StepPatch: ...
 
     def write(
         self, prepared: StepPatch, module: nn.Module | None = None, *, rename: Callable[[str], str | None] | None = None
@@ -142,6 +153,7 @@ class _End:
 
 
 _NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # decisions besides a step number
+_WAIT, _LOST, _BROKEN = 0, 1, 2  # a step that failed: not complete yet, missing too long, damaged
 
 
 class _Turn:
@@ -200,8 +212,41 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
     def produce() -> None:
         last = source.held_step  # newer steps than the one held
         skipped: list[int] = []
+        waiting: set[int] = set()  # listed steps found not complete yet since the last pause
+        missing: dict[str, float] = {}  # an object found missing -> when it was first
         idle_since, said = time.monotonic(), False
         handed_out = False
+
+        def overdue(err: MissingObjectError) -> bool:
+            """Whether `err`'s object has been missing for `missing_after` (as this worker saw it)."""
+            since = missing.setdefault(err.key, time.monotonic())
+            return time.monotonic() - since >= settings.missing_after
+
+        def attempt(step: int) -> StepPatch | DeltaError | None:
+            """`step` prepared; None if an object it needs is not there yet; the error if the step
+            does not rebuild (damage).  A store that fails for good raises."""
+            try:
+                return source.prepare(step, resync_missing=False)
+            except StoreError:
+                raise
+            except DeltaError as err:
+                error = err
+            verdict = _BROKEN
+            if isinstance(error, MissingObjectError):
+                verdict = _LOST if overdue(error) else _WAIT
+            verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
+            if verdict == _WAIT:
+                log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
+                return None
+            if verdict == _BROKEN:
+                return error
+            try:  # missing for too long: damage, which a base may still rebuild the step around
+                return source.prepare(step)
+            except StoreError:
+                raise
+            except DeltaError as err:
+                return err
+
         try:
             while True:
                 turn.wait(settings.prefetch)
@@ -209,30 +254,37 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     idle_since, handed_out = time.monotonic(), False
                 decision: int | BaseException
                 try:
-                    newer = source.steps(after=last)
-                    if not newer and last is None and not said:  # a follower started before its trainer
+                    listed = source.steps(after=last)
+                    if not listed and last is None and not said:  # a follower started before its trainer
                         log.warning("following: no complete step yet, polling every %s s", settings.poll_seconds)
                         said = True
+                    # Jump: the newest step not found incomplete since the last pause; replay: the
+                    # next step, unless it is incomplete.
+                    newer = [s for s in listed if s not in waiting] if settings.jump else listed[:1]
                     decision = (newer[-1] if settings.jump else newer[0]) if newer else _NONE
-                    if decision == _NONE and settings.timeout is not None:
-                        decision = _TIMED_OUT if time.monotonic() - idle_since > settings.timeout else _NONE
-                    decision = _STOPPED if turn.stopped else decision
+                    decision = _NONE if decision in waiting else decision
+                except MissingObjectError as err:  # steps listed before the run manifest arrived
+                    decision = _NONE if not overdue(err) else err
                 except DeltaError as err:
                     decision = err
+                if decision == _NONE and settings.timeout is not None:
+                    decision = _TIMED_OUT if time.monotonic() - idle_since > settings.timeout else _NONE
+                decision = _STOPPED if turn.stopped else decision
                 decisions = source.decide(decision)  # a replica's workers all do what rank 0 does
                 if _STOPPED in decisions or decisions[0] == _TIMED_OUT:  # any worker's caller stopped
                     ready.put(_End())
                     return
                 newest = decisions[0]
                 if newest == _NONE:
+                    waiting.clear()  # what was incomplete is tried again after the pause
                     turn.pause(settings.poll_seconds)
                     continue
-                try:
-                    prepared = source.prepare(newest)
-                except StoreError:  # not damage: a store that fails for good ends the iteration
-                    raise
-                except DeltaError as err:  # damage: wait for a step that rebuilds (the next base)
-                    log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, err)
+                prepared = attempt(newest)
+                if prepared is None:
+                    waiting.add(newest)
+                    continue
+                if isinstance(prepared, DeltaError):  # damage: wait for a step that rebuilds (the next base)
+                    log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, prepared)
                     skipped.append(newest)
                     last = newest
                     continue
@@ -243,6 +295,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     newer_count = err
                 behind = source.decide(newer_count)[0]
                 last, idle_since = newest, time.monotonic()
+                missing.clear()
                 if settings.max_staleness is not None and behind > settings.max_staleness:
                     log.warning("following: step %d is %d steps behind the store", newest, behind)
                     if settings.catch_up:  # take the newest instead, decoded against the same state

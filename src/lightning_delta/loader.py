@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import format as fmt
 from . import patch as patches
-from .errors import ChecksumError, DeltaError, FormatError, SnapshotNotFoundError, StoreError
+from .errors import ChecksumError, DeltaError, FormatError, MissingObjectError, SnapshotNotFoundError, StoreError
 from .follow import FollowedStep, FollowSettings, follow
 from .patch import LoadReport, RankPatch, RankState, StepPatch
 from .reader import ChainReader
@@ -199,9 +199,13 @@ class DeltaLoader:
             raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
         return newest
 
-    def prepare(self, step: int) -> StepPatch:
+    def prepare(self, step: int, *, resync_missing: bool = True) -> StepPatch:
         """Fetch, decode and verify `step` against the held state, writing nothing (a follower's
-        background thread calls this while its caller generates; `write` applies the result)."""
+        background thread calls this while its caller generates; `write` applies the result).
+
+        Where the path from the step held crosses damage, the step is rebuilt from its base; with
+        `resync_missing=False` a missing object is raised at once instead (`MissingObjectError`:
+        a follower waits for it rather than read a base at every poll)."""
         with self._lock:
             held, sink, generation = self._held, self._sink, self._generation
         started, read_before = time.perf_counter(), self.store.bytes_read
@@ -216,6 +220,8 @@ class DeltaLoader:
             ranks, fetched, share = self._decode(step, held, sink, device)
         except DeltaError as err:
             if held is None or isinstance(err, StoreError):
+                raise
+            if isinstance(err, MissingObjectError) and not resync_missing:
                 raise
             # The cheap path from the step held crosses damage; a base may still rebuild it.
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)

@@ -4,7 +4,9 @@ For each trainer rank, the reader plans the cheapest path from the step held (or
 the sizes in commit markers (`paths.cheapest_path`), fetches only the blobs on it, checks each
 against its marker's SHA-256 and parses it with `format.parse_part`, the one parser.  Listings
 are hints: a step counts once every rank's marker is there, and parts are never rewritten, so a
-step seen complete stays complete until retention deletes it.
+step seen complete stays complete until retention deletes it.  On a store that fills out of order
+(a replicated bucket), an object a step needs may not be there yet: that is `MissingObjectError`,
+which a follower retries rather than counts as damage.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from .errors import ChainError, ChecksumError, FormatError
+from .errors import ChainError, ChecksumError, FormatError, MissingObjectError
 from .paths import cheapest_path
 from .store import Store
 
@@ -46,8 +48,12 @@ class ChainReader:
         listed = self.store.published_steps(after)
         run = self.store.manifest()
         if run is None:
-            if listed:
-                self.store.run()  # raises: steps without a manifest are not a chain
+            if listed:  # steps without a manifest: not a chain, or a replica that has not got it yet
+                raise MissingObjectError(
+                    f"{self.store.url} holds no {fmt.RUN_MANIFEST}: not a {fmt.PART_FORMAT} chain "
+                    "(or a replicated store has not received it yet)",
+                    fmt.RUN_MANIFEST,
+                )
             return []
         if after is None:  # a full listing: steps deleted by retention drop out
             self._complete &= set(listed)
@@ -77,8 +83,23 @@ class ChainReader:
         """The refs and bytes of the parts on the cheapest path, oldest first, unchecked (`parse`
         checks them, whichever worker of a group fetched them)."""
         world = self.store.run().world_size
-        path = cheapest_path(step, held, lambda s: self.store.part_refs(s, rank, world))[::-1]
-        blobs = [self.store.read_object(ref, rank, world) for ref in path]
+        holes: list[int] = []
+
+        def parts_at(at: int) -> list[fmt.PartRef]:
+            refs = self.store.part_refs(at, rank, world)
+            if not refs:
+                holes.append(at)
+            return refs
+
+        try:
+            path = cheapest_path(step, held, parts_at)[::-1]
+        except ChainError as err:  # a hole with no base after it: a marker lost, or not there yet
+            if not holes:
+                raise
+            raise MissingObjectError(str(err), fmt.commit_path(holes[-1], rank, world)) from None
+        # Newest first: on a store that fills out of order the newest blob is the likeliest missing,
+        # and finding that out first saves reading the others at every poll until it arrives.
+        blobs = [self.store.read_object(ref, rank, world) for ref in reversed(path)][::-1]
         if bar is not None:
             bar.update(1)
         return path, blobs

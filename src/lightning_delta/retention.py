@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import format as fmt
 from .store import Store
 
-__all__ = ["collect", "is_base_step"]
+__all__ = ["collect", "cutoff", "delete_steps", "is_base_step"]
 
 
 def is_base_step(store: Store, step: int, world_size: int) -> bool:
@@ -24,21 +24,34 @@ def collect(store: Store, keep_bases: int, *, dry_run: bool = False) -> list[int
     (what it leads back to is all older).  Returns the deleted steps (with `dry_run`, those it
     would delete, deleting nothing).
     """
+    found = cutoff(store, keep_bases)
+    doomed = [s for s in store.published_steps() if found is not None and s < found]
+    if not dry_run:
+        delete_steps(store, doomed)
+    return doomed
+
+
+def cutoff(store: Store, keep_bases: int) -> int | None:
+    """The `keep_bases`-th newest complete base step, before which retention deletes everything;
+    None while there are fewer."""
     if keep_bases < 1:
         raise ValueError(f"keep_bases must be >= 1, got {keep_bases}")
     run = store.manifest()
     if run is None:
-        return []
-    steps, found, cutoff = store.published_steps(), 0, None
-    for step in reversed(steps):
+        return None
+    found = 0
+    for step in reversed(store.published_steps()):
         if is_base_step(store, step, run.world_size):
             found += 1
             if found == keep_bases:
-                cutoff = step
-                break
-    doomed = [s for s in steps if cutoff is not None and s < cutoff]
-    for step in [] if dry_run else reversed(doomed):
+                return step
+    return None
+
+
+def delete_steps(store: Store, steps: list[int]) -> None:
+    """Delete `steps` (ascending) in the order that never strands a reader: newest first, each
+    one's markers before anything else (a mirror deletes what its source deleted this way too)."""
+    for step in reversed(steps):
         folder = fmt.step_dir(step)
         store.objects.delete(f"{folder}/{n}" for n in store.objects.list(folder) if n.endswith(".commit"))
         store.objects.delete_prefix(folder)
-    return doomed

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from . import format as fmt
-from .errors import ChainError, ChecksumError, ConflictError, FormatError, SnapshotNotFoundError
+from .errors import ChainError, ChecksumError, ConflictError, FormatError, MissingObjectError, SnapshotNotFoundError
 from .format import PartRef
 from .objects import FsspecObjects, ObjectStore
 
@@ -186,10 +186,10 @@ class Store:
         """A committed part's header and payload table (`ref` from `part_refs`), with two ranged
         reads; nothing is verified beyond their own rules and where the part was found."""
         key = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
+        prefix = self.objects.get(key, 0, fmt.PREFIX_BYTES)
+        if prefix is None:
+            raise MissingObjectError(f"{self.url}/{key} is committed but missing (not there yet, or lost)", key)
         try:
-            prefix = self.objects.get(key, 0, fmt.PREFIX_BYTES)
-            if prefix is None:
-                raise FormatError("is committed but missing")
             end = fmt.head_end(prefix, ref.size)
             head = self.objects.get(key, 0, end)
             if head is None or len(head) != end:
@@ -206,7 +206,7 @@ class Store:
         key = fmt.blob_path(ref.step, rank, world_size, bridge=ref.bridge)
         blob = self._read(key, ref.size, lambda data: data)
         if blob is None:
-            raise FormatError(f"{self.url}/{key} is committed but missing")
+            raise MissingObjectError(f"{self.url}/{key} is committed but missing (not there yet, or lost)", key)
         return blob
 
     def read_blob(self, ref: PartRef, rank: int, world_size: int) -> bytes:

@@ -1,0 +1,471 @@
+"""A chain mirror: the chain copied to another store (a region, a bucket, a cloud) in commit order.
+
+A region's followers read its mirror, so each step crosses the link to the region once, however
+many replicas read it.  A pass copies the run-level objects first (the manifest), then, for each
+step the source holds and the mirror does not, step after step: every part's blob, checked against
+its commit marker's SHA-256 before it is written, then the markers (a base's bridges before the
+parts).  So a step is complete at the mirror only once every object of it is there and every
+step before it was copied: each step listed at the mirror loads.  Objects are created exclusively
+and only missing ones are written, so a mirror killed at any moment resumes where it stopped; an
+object already at the mirror must be identical.  Each source object is read once (a damaged one
+again until it heals).  A damaged source object is never copied: the mirror stops at its step,
+says which object, and goes on once the source heals, or from a newer base that does not need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+from . import format as fmt
+from .errors import ChecksumError, ConflictError, FormatError
+from .retention import cutoff, delete_steps
+from .store import Store, as_store
+
+__all__ = ["RUN_OBJECTS", "Mirror", "MirrorMetrics", "MirrorSettings"]
+
+log = logging.getLogger(__name__)
+
+RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
+"""The run-level objects a mirror copies before any step, the manifest first (it says whose run a
+prefix holds); each is copied as it is, created exclusively."""
+
+
+@dataclass
+class MirrorSettings:
+    """A mirror's options."""
+
+    keep_bases: int | None = None
+    """Keep the K newest complete base steps at the mirror (its own retention); None deletes what
+    the source deleted, in the same order."""
+    threads: int = 8
+    """Objects copied at once (blobs and markers of several steps; markers still land in order)."""
+    poll_seconds: float = 1.0
+    """Seconds between passes while following."""
+
+    def __post_init__(self) -> None:
+        if self.keep_bases is not None and self.keep_bases < 1:
+            raise ValueError(f"keep_bases must be >= 1 or None, got {self.keep_bases}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.poll_seconds <= 0:
+            raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
+
+
+@dataclass
+class MirrorMetrics:
+    """Where a mirror stands after its last pass (what `--follow` prints and a program logs)."""
+
+    source_step: int | None = None
+    """The newest step complete at the source."""
+    mirror_step: int | None = None
+    """The newest step complete at the mirror."""
+    steps_behind: int = 0
+    """Steps complete at the source and newer than `mirror_step`."""
+    lag_seconds: float = 0.0
+    """How long the oldest step not yet mirrored has been complete at the source (as this mirror
+    saw it); 0 when the mirror is caught up."""
+    objects_copied: int = 0
+    bytes_copied: int = 0
+    """Bytes written to the mirror (blobs, markers, run objects) since this mirror started."""
+    bytes_read: int = 0
+    """Bytes read from the source since this mirror started."""
+    steps_deleted: int = 0
+    stopped_at: str | None = None
+    """The source object the mirror waits at: damaged, or not there yet (a replicated source)."""
+
+    def line(self) -> str:
+        """One progress line, the way the CLI's other commands print."""
+        at = "-" if self.mirror_step is None else str(self.mirror_step)
+        source = "-" if self.source_step is None else str(self.source_step)
+        text = (
+            f"mirror at step {at} of {source}, {self.steps_behind} behind, "
+            f"{self.bytes_copied:,d} bytes copied ({self.objects_copied} objects), lag {self.lag_seconds:.1f} s"
+        )
+        return text + (f", stopped at {self.stopped_at}" if self.stopped_at else "")
+
+
+class _Part(NamedTuple):
+    """A committed part at the source, by its marker's name."""
+
+    step: int
+    rank: int
+    world_size: int
+    bridge: bool
+
+    @property
+    def marker_key(self) -> str:
+        return fmt.commit_path(self.step, self.rank, self.world_size, bridge=self.bridge)
+
+    @property
+    def blob_key(self) -> str:
+        return fmt.blob_path(self.step, self.rank, self.world_size, bridge=self.bridge)
+
+
+class _Ready(NamedTuple):
+    """A part whose blob is at the mirror, checked; its marker still to write (unless `there`)."""
+
+    part: _Part
+    marker: bytes
+    kind: fmt.Kind
+    there: bool  # the marker is at the mirror already
+
+
+class _Stop(NamedTuple):
+    """Why a part cannot be mirrored now."""
+
+    key: str
+    reason: str
+    damaged: bool  # False: not there (yet) at the source
+
+
+class Mirror:
+    """Copies the chain at `source` to `destination` (fsspec URLs or `Store`s), pass by pass.
+
+    Args:
+        source, destination: where the chain is, and where its copy goes (another mirror's
+            destination is a source like any other: home -> region -> zone).
+        settings: retention, concurrency, polling.
+        source_options, destination_options: fsspec storage options of each side.
+    """
+
+    def __init__(
+        self,
+        source: str | Store,
+        destination: str | Store,
+        settings: MirrorSettings | None = None,
+        *,
+        source_options: Mapping[str, Any] | None = None,
+        destination_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.settings = settings or MirrorSettings()
+        self.source = as_store(source, source_options)
+        self.destination = as_store(destination, destination_options)
+        self.metrics = MirrorMetrics()
+        self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix="delta-mirror")
+        self._lock = threading.Lock()  # the metrics and caches, updated by the copying threads
+        self._world: int | None = None  # the run's ranks, once its manifest is at the mirror
+        self._markers: dict[str, bytes] = {}  # source markers read, until their step is mirrored
+        self._checked: set[str] = set()  # objects at the mirror known to be the source's, until then
+        self._done: set[int] = set()  # steps complete at the mirror
+        self._seen: dict[int, float] = {}  # steps not yet mirrored -> when first seen at the source
+        self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
+        self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
+        self._floor_checked = False
+        self._said: set[str] = set()  # objects already warned about
+
+    def __repr__(self) -> str:
+        return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    @property
+    def has_run(self) -> bool:
+        """Whether the source's run is known (its manifest was read and copied)."""
+        return self._world is not None
+
+    # ------------------------------------------------------------------ passes
+
+    def follow(self, stop: threading.Event | None = None) -> Iterator[MirrorMetrics]:
+        """Mirror until `stop` is set: a pass, its metrics, a pause of `poll_seconds`, again."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            yield self.sync()
+            stop.wait(self.settings.poll_seconds)
+
+    def sync(self) -> MirrorMetrics:
+        """One pass: copy what the source holds and the mirror does not, then apply retention."""
+        world = self._claim()
+        if world is None:
+            with self._lock:
+                return replace(self.metrics)
+        listed = self.source.published_steps()
+        floor = max(self._skip_below, self._floor or 0)
+        names = {s: self._source_parts(s, world) for s in listed if s not in self._done and s >= floor}
+        complete = {s for s, parts in names.items() if _ranks(parts) == world}
+        start = self._start(complete, names)
+        names = {s: parts for s, parts in names.items() if s >= start}
+        complete = {s for s in complete if s >= start}
+        now = time.monotonic()
+        for step in complete:
+            self._seen.setdefault(step, now)
+        pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
+        stopped, mirrored_base = self._copy(pending, names, complete, world)
+        self._retain(listed, mirrored_base)
+        self._update(listed, complete, stopped)
+        with self._lock:
+            return replace(self.metrics)
+
+    def _claim(self) -> int | None:
+        """Copy the run-level objects; the run's world size, or None while the source has no run.
+        `ConflictError` if the mirror holds another run."""
+        if self._world is not None:
+            return self._world
+        data = self._read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES)
+        if data is None:  # no run yet (or a replicated source that has not received its manifest)
+            return None
+        run = fmt.decode_manifest(data)
+        held = self.destination.objects.get(fmt.RUN_MANIFEST, 0, fmt.MAX_MANIFEST_BYTES + 1)
+        if held is not None:
+            self._same_run(held, data, run)
+        elif self.destination.objects.list("steps"):
+            raise ConflictError(
+                f"{self.destination.url} holds steps but no {fmt.RUN_MANIFEST}: not a mirror of {self.source.url}; "
+                "give the mirror a prefix of its own"
+            )
+        for key in RUN_OBJECTS:
+            if key == fmt.RUN_MANIFEST:
+                if held is None:
+                    self._write(key, data, run=run)
+            elif (found := self._read(key, fmt.MAX_MANIFEST_BYTES)) is not None:
+                self._write(key, found)
+        self._world = run.world_size
+        return self._world
+
+    def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
+        """The first step worth copying: with `keep_bases`, a mirror that holds none of them yet
+        starts at the source's `keep_bases`-th newest complete base (its markers are read once,
+        and kept for the copy)."""
+        keep = self.settings.keep_bases
+        if keep is None or self._floor is not None or self._done:
+            return 0
+        found = 0
+        for step in sorted(complete, reverse=True):
+            kinds = [self._source_marker(p) for p in names[step] if not p.bridge]
+            if all(k is not None and k.kind == fmt.Kind.BASE for k in kinds):
+                found += 1
+                if found == keep:
+                    return step
+        return 0
+
+    def _source_marker(self, part: _Part) -> fmt.CommitMarker | None:
+        """A source marker, read once and kept until its step is mirrored; None if it is gone or
+        damaged (`_prepare` says which)."""
+        with self._lock:
+            data = self._markers.get(part.marker_key)
+        if data is None:
+            data = self._read(part.marker_key, fmt.MAX_MARKER_BYTES)
+        if data is None:
+            return None
+        try:
+            marker = fmt.decode_commit(data)
+        except FormatError:
+            return None
+        with self._lock:
+            self._markers[part.marker_key] = data
+        return marker
+
+    def _source_parts(self, step: int, world: int) -> list[_Part]:
+        """The parts committed at the source for `step` (of the run's world size), by listing."""
+        parts = []
+        for name in self.source.objects.list(fmt.step_dir(step)):
+            parsed = fmt.parse_part_name(name)
+            if parsed is not None and parsed.world_size == world:
+                parts.append(_Part(step, parsed.rank, parsed.world_size, parsed.bridge))
+        return parts
+
+    def _complete_at_mirror(self, step: int, world: int, complete_at_source: bool) -> bool:
+        if complete_at_source and self.destination.is_complete(step, world):
+            self._done.add(step)
+            return True
+        return False
+
+    def _copy(
+        self, pending: list[int], names: dict[int, list[_Part]], complete: set[int], world: int
+    ) -> tuple[_Stop | None, bool]:
+        """Copy the pending steps' blobs concurrently, then their markers step after step; the
+        reason the mirror stopped, if it did, and whether it mirrored a base step."""
+        at_mirror = {s: set(self.destination.objects.list(fmt.step_dir(s))) for s in pending}
+        futures = {s: [self._pool.submit(self._prepare, p, at_mirror[s]) for p in names[s]] for s in pending}
+        stopped: _Stop | None = None
+        mirrored_base = False
+        for step in pending:
+            outcomes = [f.result() for f in futures[step]]
+            ready = [o for o in outcomes if isinstance(o, _Ready)]
+            stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
+            if stopped is not None:
+                if not (stopped.damaged and stop is None and step in complete and _base(ready, world)):
+                    continue
+                self._skip_below = step  # a base that does not need the damaged object
+                log.warning("%s: mirroring again from base step %d, which does not need %s", self, step, stopped.key)
+                stopped = None
+            if stop is not None:
+                stopped = stop
+                self._say(stop)
+                continue
+            for bridge in (True, False):  # a base's bridges before the parts that make the step complete
+                writes = [o for o in ready if o.part.bridge == bridge and not o.there]
+                for done in [self._pool.submit(self._write, o.part.marker_key, o.marker) for o in writes]:
+                    done.result()
+            with self._lock:
+                self._checked.update(o.part.marker_key for o in ready)
+                for part in names[step] if step in complete else ():  # done with for good
+                    self._markers.pop(part.marker_key, None)
+                    self._checked -= {part.marker_key, part.blob_key}
+            if step in complete:
+                self._done.add(step)
+                self._seen.pop(step, None)
+                mirrored_base = mirrored_base or _base(ready, world)
+        return stopped, mirrored_base
+
+    def _prepare(self, part: _Part, at_mirror: set[str]) -> _Ready | _Stop:
+        """Read `part`'s marker, and put its blob at the mirror, checked first (a thread's job)."""
+        marker_name, blob_name = (k.rsplit("/", 1)[1] for k in (part.marker_key, part.blob_key))
+        with self._lock:
+            data = self._markers.get(part.marker_key)
+        if data is None:
+            data = self._read(part.marker_key, fmt.MAX_MARKER_BYTES)
+            if data is None:  # deleted by the source's retention since it was listed
+                return _Stop(part.marker_key, "is not at the source", damaged=False)
+        try:
+            marker = fmt.decode_commit(data)
+        except FormatError as err:
+            return _Stop(part.marker_key, str(err), damaged=True)
+        with self._lock:
+            self._markers[part.marker_key] = data
+            checked = part.blob_key in self._checked
+            there = part.marker_key in self._checked
+        if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
+            if not there:
+                self._same(part.marker_key, data)
+            return _Ready(part, data, marker.kind, there=True)
+        if not checked:
+            if blob_name in at_mirror:
+                self._check_copy(part.blob_key, marker)
+            else:
+                blob = self._read(part.blob_key, marker.size)
+                if blob is None:
+                    return _Stop(part.blob_key, "is not at the source yet", damaged=False)
+                try:
+                    fmt.verify_blob(blob, marker)
+                except (FormatError, ChecksumError) as err:
+                    return _Stop(part.blob_key, str(err), damaged=True)
+                self._write(part.blob_key, blob, marker=marker)
+            with self._lock:
+                self._checked.add(part.blob_key)
+        return _Ready(part, data, marker.kind, there=False)
+
+    # ------------------------------------------------------------------ objects
+
+    def _read(self, key: str, limit: int) -> bytes | None:
+        """A source object, read with a bound (one more byte than `limit`: a larger object is
+        damage, never read whole)."""
+        data = self.source.objects.get(key, 0, limit + 1)
+        if data is not None:
+            with self._lock:
+                self.metrics.bytes_read += len(data)
+        return data
+
+    def _write(
+        self, key: str, data: bytes, *, run: fmt.Run | None = None, marker: fmt.CommitMarker | None = None
+    ) -> None:
+        """Create `key` at the mirror; if it is there already it must be the same object."""
+        if self.destination.objects.create(key, data):
+            with self._lock:
+                self.metrics.objects_copied += 1
+                self.metrics.bytes_copied += len(data)
+            return
+        if marker is not None:
+            self._check_copy(key, marker)
+        elif run is not None:
+            self._same_run(self.destination.objects.get(key, 0, fmt.MAX_MANIFEST_BYTES + 1), data, run)
+        else:
+            self._same(key, data)
+
+    def _same(self, key: str, data: bytes) -> None:
+        found = self.destination.objects.get(key, 0, len(data) + 1)
+        if found != data:
+            raise ConflictError(
+                f"{self.destination.url}/{key} differs from the source's: the mirror holds another chain, or a "
+                "damaged copy; give the mirror a prefix of its own"
+            )
+
+    def _same_run(self, found: bytes | None, data: bytes, run: fmt.Run) -> None:
+        if found == data:
+            return
+        try:
+            other = fmt.decode_manifest(found or b"").run_id
+        except FormatError:
+            other = "unreadable"
+        raise ConflictError(
+            f"{self.destination.url} belongs to run {other}, not to run {run.run_id} of {self.source.url}: "
+            "give the mirror a prefix of its own"
+        )
+
+    def _check_copy(self, key: str, marker: fmt.CommitMarker) -> None:
+        found = self.destination.objects.get(key, 0, marker.size + 1)
+        try:
+            fmt.verify_blob(found or b"", marker)
+        except (FormatError, ChecksumError) as err:
+            raise ConflictError(
+                f"{self.destination.url}/{key} is at the mirror but not the source's object ({err}): "
+                "the mirror holds another chain, or a damaged copy"
+            ) from None
+
+    def _say(self, stop: _Stop) -> None:
+        if not stop.damaged:
+            log.debug("%s: waiting for %s/%s, which %s", self, self.source.url, stop.key, stop.reason)
+        elif stop.key not in self._said:
+            self._said.add(stop.key)
+            log.warning(
+                "%s: stopped: %s/%s is damaged (%s); it is never copied, and mirroring goes on when the source "
+                "heals or from a newer base",
+                self,
+                self.source.url,
+                stop.key,
+                stop.reason,
+            )
+
+    # ------------------------------------------------------------------ retention and metrics
+
+    def _retain(self, listed: list[int], mirrored_base: bool) -> None:
+        """Delete what the source deleted, or keep the mirror's own `keep_bases`; in retention's
+        order, and never past the mirror's newest complete base (its readers' way in)."""
+        keep = self.settings.keep_bases
+        held = self.destination.published_steps()
+        if keep is not None:
+            if mirrored_base or not self._floor_checked:
+                self._floor, self._floor_checked = cutoff(self.destination, keep), True
+            doomed = [s for s in held if self._floor is not None and s < self._floor]
+        else:
+            gone = [s for s in held if listed and s < listed[0]]  # what the source's retention deleted
+            newest_base = cutoff(self.destination, 1) if gone else None
+            doomed = [s for s in gone if newest_base is not None and s < newest_base]
+        delete_steps(self.destination, doomed)
+        self._done -= set(doomed)
+        with self._lock:
+            self.metrics.steps_deleted += len(doomed)
+
+    def _update(self, listed: list[int], complete: set[int], stopped: _Stop | None) -> None:
+        source = max((s for s in complete | (self._done & set(listed))), default=None)
+        mirrored = max(self._done, default=None)
+        behind = [s for s in complete if mirrored is None or s > mirrored]
+        now = time.monotonic()
+        self._seen = {s: t for s, t in self._seen.items() if s in complete and s not in self._done}
+        with self._lock:
+            self.metrics.source_step = source
+            self.metrics.mirror_step = mirrored
+            self.metrics.steps_behind = len(behind)
+            self.metrics.lag_seconds = now - min(self._seen.values()) if self._seen else 0.0
+            self.metrics.stopped_at = None if stopped is None else f"{self.source.url}/{stopped.key}"
+
+
+def _ranks(parts: list[_Part]) -> int:
+    return len({p.rank for p in parts if not p.bridge})
+
+
+def _base(ready: list[_Ready], world: int) -> bool:
+    """Whether every rank's part of a step is a base: nothing before it is needed from there on."""
+    return len({r.part.rank for r in ready if not r.part.bridge and r.kind == fmt.Kind.BASE}) == world

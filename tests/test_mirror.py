@@ -1,0 +1,322 @@
+"""The chain mirror: commit order, resuming after SIGKILL, one read per source object, retention,
+refusals, damage at the source, mirrors of mirrors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, DictObjects, assert_state, published_run, train
+from lightning_delta import (
+    ConflictError,
+    DeltaLoader,
+    DeltaPublisher,
+    FollowSettings,
+    Mirror,
+    MirrorSettings,
+    PublisherSettings,
+    Store,
+)
+from lightning_delta import format as fmt
+from lightning_delta.cli import main
+from lightning_delta.reader import ChainReader
+from tinylm import TinyLM
+
+
+class Recording(DictObjects):
+    """A dict store that records every write and deletion, in order, and every read, by key."""
+
+    def __init__(self, url: str = "dict://mirror", objects: dict[str, bytes] | None = None) -> None:
+        super().__init__(url)
+        if objects is not None:
+            self.objects = objects  # shared with another view of the same store
+        self.events: list[tuple[str, str]] = []
+        self.reads: Counter[str] = Counter()
+        self.hidden: set[str] = set()  # objects not there yet, as in a bucket that fills out of order
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        data = None if key in self.hidden else super().get(key, start, end)
+        self.reads[key] += data is not None
+        return data
+
+    def create(self, key: str, data: bytes) -> bool:
+        created = key not in self.objects
+        if created:
+            self.objects[key] = bytes(data)
+        self.events.append(("create" if created else "exists", key))
+        return created
+
+    def put(self, key: str, data: bytes) -> None:
+        self.events.append(("put", key))
+        super().put(key, data)
+
+    def delete(self, keys) -> None:
+        keys = list(keys)
+        self.events += [("delete", k) for k in keys]
+        super().delete(keys)
+
+    def delete_prefix(self, key: str) -> None:
+        self.events.append(("delete", key))
+        super().delete_prefix(key)
+
+
+def publish(objects: DictObjects, steps: int, base_every: int = 4, keep_bases: int | None = None, model=None):
+    """A TinyLM trained and published for `steps` steps into `objects`; its true state per step."""
+    torch.manual_seed(0)
+    model = model or TinyLM()
+    settings = PublisherSettings(base_every=base_every, keep_bases=keep_bases)
+    with DeltaPublisher(Store(objects), model, settings) as publisher:
+        return train(publisher, model, steps)
+
+
+def assert_loads(store: Store | str, truth: dict, expected: list[int] | None = None) -> list[int]:
+    """Every step listed at `store` loads bit-exactly (each from scratch); the steps listed."""
+    steps = DeltaLoader(store).steps()
+    if expected is not None:
+        assert steps == expected
+    for step in steps:
+        assert_state(DeltaLoader(store).state_dict(step)[1], truth[step])
+    return steps
+
+
+def test_a_mirror_writes_in_commit_order_and_every_step_is_complete_only_once_all_of_it_is_there():
+    source, mirror = DictObjects(), Recording()
+    truth = publish(source, 11)  # bases at 1, 5 and 9, with bridges
+    with Mirror(Store(source), Store(mirror), MirrorSettings(threads=4)) as m:
+        metrics = m.sync()
+    assert metrics.mirror_step == 11 and metrics.steps_behind == 0 and metrics.stopped_at is None
+    assert [e for e, _ in mirror.events] == ["create"] * len(source.objects)
+    written = [k for _, k in mirror.events]
+    assert written[0] == fmt.RUN_MANIFEST and sorted(written) == sorted(source.objects)
+    # Replay the writes: whenever a step is complete, all of it and every step before it is there.
+    replay = DictObjects()
+    for key in written:
+        replay.put(key, source.objects[key])
+        if key.endswith(".ldelta.commit"):
+            assert key.removesuffix(".commit") in replay.objects  # the blob before its marker
+        for step in ChainReader(Store(replay)).steps():
+            older = [k for k in source.objects if k.startswith("steps/") and int(k.split("/")[2]) <= step]
+            assert all(k in replay.objects for k in older), (key, step)
+    assert_loads(Store(mirror), truth, list(range(1, 12)))
+
+
+def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twice(tmp_path):
+    src, dst, log = str(tmp_path / "src"), str(tmp_path / "dst"), tmp_path / "twice.log"
+    truth = published_run(src, 12, base_every=4)
+    objects = sum(len(files) for _, _, files in os.walk(src))
+    rng = random.Random(40)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    kills = 0
+    for kill_at in [*sorted(rng.sample(range(1, objects + 1), 4)), 0]:
+        job = [sys.executable, str(ROOT / "tests" / "mirror_job.py"), src, dst, str(kill_at), str(log)]
+        done = subprocess.run(job, env=env, capture_output=True, text=True, timeout=300)
+        if kill_at:  # killed before its kill_at-th write of this run (it may have less to write)
+            assert done.returncode in (-9, 0), done.stderr
+            kills += done.returncode == -9
+        else:
+            assert done.returncode == 0, done.stderr
+        assert_loads(dst, truth)  # whatever it had done, every step listed loads
+    assert kills >= 1
+    assert_loads(dst, truth, list(range(1, 13)))
+    assert not log.exists(), log.read_text()  # no object was written twice
+
+
+def test_each_source_object_is_read_once_across_passes():
+    shared = DictObjects()
+    watched = Recording("dict://home", shared.objects)  # the mirror's view of the source
+    torch.manual_seed(0)
+    model = TinyLM()
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(watched), Store(DictObjects())) as mirror,
+    ):
+        truth = {}
+        for step in range(1, 10):
+            truth |= {step: t for step, t in enumerate(train(None, model, 1).values(), start=step)}
+            publisher.publish(step)
+            publisher.flush()
+            if step == 5:  # its marker is there, its blob not yet: the mirror waits at step 5
+                watched.hidden.add(fmt.blob_path(5, 0, 1))
+            if step == 7:
+                watched.hidden.clear()
+            assert mirror.sync().mirror_step == (step if step < 5 or step >= 7 else 4)
+            mirror.sync()
+        assert_loads(mirror.destination, truth, list(range(1, 10)))
+    assert set(watched.reads) == set(shared.objects) and set(watched.reads.values()) == {1}
+    assert mirror.metrics.bytes_read == sum(len(v) for v in shared.objects.values())
+
+
+def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():
+    source, mirror = DictObjects(), Recording()
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth: dict = {}
+    with (
+        DeltaPublisher(Store(source), model, PublisherSettings(base_every=3, keep_bases=1)) as publisher,
+        Mirror(Store(source), Store(mirror)) as m,
+    ):
+        for step in range(1, 12):  # bases at 1, 4, 7, 10: the source keeps from its newest on
+            truth |= {step: t for step, t in enumerate(train(None, model, 1).values(), start=step)}
+            publisher.publish(step)
+            publisher.flush()
+            mirror.events.clear()
+            m.sync()
+            assert Store(mirror).published_steps() == Store(source).published_steps()
+            deleted = [k for e, k in mirror.events if e == "delete"]
+            steps = [int(k.split("/")[2]) for k in deleted]
+            assert steps == sorted(steps, reverse=True)  # newest first
+            for folder in {fmt.step_dir(s) for s in steps}:  # each step's markers before the rest
+                mine = [k for k in deleted if k.startswith(folder)]
+                assert mine[-1] == folder and all(k.endswith(".commit") for k in mine[:-1]) and len(mine) > 1
+    assert assert_loads(Store(mirror), truth) == [10, 11]
+
+
+def test_a_mirror_keeps_its_own_bases_and_never_copies_what_it_would_delete():
+    source, mirror = DictObjects(), Recording()
+    torch.manual_seed(0)
+    model = TinyLM()
+    with (
+        DeltaPublisher(Store(source), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(source), Store(mirror), MirrorSettings(keep_bases=2)) as m,
+    ):
+        truth = train(publisher, model, 8)  # bases at 1, 4, 7; the source keeps them all
+        publisher.flush()
+        assert m.sync().steps_deleted == 0  # a new mirror starts at the 2nd newest base
+        assert Store(mirror).published_steps() == [4, 5, 6, 7, 8]
+        for step in (9, 10, 11):  # a base at 10
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        assert m.sync().steps_deleted == 3
+    assert assert_loads(Store(mirror), truth) == [7, 8, 9, 10, 11]
+    assert Store(source).published_steps() == list(range(1, 12))
+    written = {int(k.split("/")[2]) for e, k in mirror.events if e == "create" and k.startswith("steps/")}
+    assert written == set(range(4, 12))
+
+
+def test_a_destination_that_holds_another_run_is_refused_and_left_alone():
+    source, other = DictObjects(), DictObjects()
+    publish(source, 3)
+    publish(other, 2)
+    before = dict(other.objects)
+    with Mirror(Store(source), Store(other)) as m, pytest.raises(ConflictError, match="belongs to run"):
+        m.sync()
+    assert other.objects == before
+    stray = DictObjects()
+    stray.put(f"{fmt.step_dir(1)}/something", b"x")
+    with Mirror(Store(source), Store(stray)) as m, pytest.raises(ConflictError, match=r"no run\.json"):
+        m.sync()
+    assert list(stray.objects) == [f"{fmt.step_dir(1)}/something"]
+
+
+def test_a_damaged_source_object_is_never_copied_and_the_mirror_goes_on_once_it_heals(caplog):
+    source, mirror = DictObjects(), Recording()
+    truth = publish(source, 7)  # bases at 1 and 5
+    key = fmt.blob_path(6, 0, 1)  # no newer base: only healing lets the mirror go on
+    good = source.objects[key]
+    source.objects[key] = good[:-3] + bytes([good[-3] ^ 1]) + good[-2:]  # the marker still says the old bytes
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    with Mirror(Store(source), Store(mirror)) as m:
+        for _ in range(3):
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://chain/{key}"
+        assert key not in mirror.objects
+        assert len([r for r in caplog.records if key in r.getMessage()]) == 1  # said once, not at every pass
+        assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5])
+        source.objects[key] = good  # healed
+        assert m.sync().mirror_step == 7
+    assert_loads(Store(mirror), truth, list(range(1, 8)))
+    assert [e for e, _ in mirror.events].count("exists") == 0
+
+
+def test_a_damaged_source_object_is_passed_over_once_a_newer_base_does_not_need_it():
+    source, mirror = DictObjects(), DictObjects()
+    truth = publish(source, 7)  # bases at 1 and 5
+    key = fmt.blob_path(3, 0, 1)
+    source.objects[key] = source.objects[key][:-1]  # truncated
+    with Mirror(Store(source), Store(mirror)) as m:
+        metrics = m.sync()
+    assert key not in mirror.objects and metrics.mirror_step == 7
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])  # 3 and 4 chain through the damage
+
+
+def test_a_mirror_of_a_mirror_serves_every_step_exactly():
+    home, region, zone = DictObjects("dict://home"), DictObjects("dict://region"), DictObjects("dict://zone")
+    truth = publish(home, 9, base_every=3)
+    with Mirror(Store(home), Store(region)) as first, Mirror(Store(region), Store(zone)) as second:
+        first.sync()
+        assert second.sync().mirror_step == 9
+    assert zone.objects == home.objects  # the same bytes, markers and manifest included
+    assert_loads(Store(zone), truth, list(range(1, 10)))
+
+
+def test_the_mirror_command_copies_a_chain_and_reports_as_json(tmp_path, capsys):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = published_run(src, 5, base_every=3)
+    assert main(["mirror", src, dst, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mirror_step"] == 5 and report["steps_behind"] == 0 and report["bytes_copied"] > 0
+    assert_loads(dst, truth, [1, 2, 3, 4, 5])
+    assert main(["mirror", str(tmp_path / "nothing"), dst]) == 2
+    assert "no lightning_delta run" in capsys.readouterr().err
+    assert Path(dst, fmt.RUN_MANIFEST).exists()
+
+
+def test_a_following_mirror_feeds_a_follower_at_the_mirror_while_the_trainer_publishes(tmp_path):
+    home, region = str(tmp_path / "home"), str(tmp_path / "region")
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth: dict = {}
+    publisher = DeltaPublisher(home, model, PublisherSettings(base_every=3))
+    trainer = threading.Thread(target=lambda: truth.update(train(publisher, model, 8)))
+    stop, passes = threading.Event(), []
+    mirror = Mirror(home, region, MirrorSettings(poll_seconds=0.01))
+    mirroring = threading.Thread(target=lambda: passes.extend(mirror.follow(stop)))
+    trainer.start()
+    mirroring.start()
+    seen = {}
+    try:
+        for followed in DeltaLoader(region).follow(FollowSettings(poll_seconds=0.01, timeout=120)):
+            seen[followed.step] = followed.tensors
+            if followed.step == 8:
+                break
+    finally:
+        stop.set()
+        mirroring.join()
+        trainer.join()
+        publisher.close()
+        mirror.close()
+    assert max(seen) == 8 and all(s in truth for s in seen)
+    for step, tensors in seen.items():
+        assert_state(tensors, truth[step])
+    copied = [p.bytes_copied for p in passes]
+    assert copied == sorted(copied) and passes[-1].mirror_step == 8 and passes[-1].steps_behind == 0
+    assert passes[-1].bytes_copied == sum(p.stat().st_size for p in Path(home).rglob("*") if p.is_file())
+
+
+def test_the_mirror_command_follows_with_a_progress_line_until_interrupted(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = published_run(src, 4, base_every=3)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "lightning_delta.cli", "mirror", src, dst, "--follow", "--poll-seconds", "0.05"]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("mirror at step 4 of 4, 0 behind, ") and "bytes copied" in line and "lag" in line
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert_loads(dst, truth, [1, 2, 3, 4])
