@@ -62,10 +62,11 @@ GOLDEN_HEADER = (
     b'"prev_step":null,"probe":1,"rank":0,"step":1,"world_size":1}'
 )
 GOLDEN_MANIFEST = (
-    b'{"created":1.5,"format":"lightning_delta.run/2","part_format":"lightning_delta/5",'
+    b'{"created":1.5,"format":"lightning_delta.run/3","part_format":"lightning_delta/5",'
     b'"ranks":[[[{"numel":4,"start":0,"tensor":1}]],[[{"numel":2,"start":4,"tensor":1},'
-    b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","tensors":[{"dtype":"bfloat16","name":"b",'
-    b'"shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],"world_size":2}'
+    b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","signature":null,"signer":null,'
+    b'"tensors":[{"dtype":"bfloat16","name":"b","shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],'
+    b'"world_size":2}'
 )
 
 
@@ -79,7 +80,8 @@ def test_golden_bytes_pin_the_blob_marker_and_manifest():
     assert blob == prefix + GOLDEN_HEADER + table + probe + b"abcd"
     digest = hashlib.sha256(blob).hexdigest()
     marker = (
-        f'{{"format":"lightning_delta.commit/2","kind":"base","prev_step":null,"sha256":"{digest}","size":{len(blob)}}}'
+        f'{{"format":"lightning_delta.commit/3","kind":"base","prev_step":null,"sha256":"{digest}",'
+        f'"signature":null,"size":{len(blob)}}}'
     )
     assert fmt.encode_commit(blob, h) == marker.encode()
     delta = header(kind=fmt.Kind.DELTA, prev_step=0)
@@ -226,7 +228,7 @@ def test_strict_manifest_parsing(changes, message):
         (
             b'{"size":1.0,"sha256":"'
             + b"0" * 64
-            + b'","format":"lightning_delta.commit/2","kind":"base","prev_step":null}',
+            + b'","format":"lightning_delta.commit/3","kind":"base","prev_step":null,"signature":null}',
             "size must be int",
         ),
         (b"\xff\xfe", "malformed"),

@@ -14,7 +14,9 @@ __all__ = [
     "FormatError",
     "ModelMismatchError",
     "PublishError",
+    "SignatureError",
     "SnapshotNotFoundError",
+    "StaleChainError",
     "StoreError",
     "UnsupportedStrategyError",
 ]
@@ -34,6 +36,16 @@ class ChecksumError(DeltaError, ValueError):
 
 class ChainError(DeltaError):
     """A delta's link to its predecessor is missing or points at a different snapshot."""
+
+
+class SignatureError(DeltaError, ValueError):
+    """An object of a chain is unsigned, signed by a key the reader does not trust, or its
+    signature does not bind what it claims (a part moved from another step, rank or run)."""
+
+
+class StaleChainError(DeltaError):
+    """The newest signed heartbeat is older than `max_heartbeat_age`: the store, or a mirror on the
+    way, withholds the trainer's newer steps, or the trainer stopped."""
 
 
 class StoreError(DeltaError, OSError):
