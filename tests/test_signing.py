@@ -4,6 +4,7 @@ its run, step, rank and kind; without keys, every chain loads as before."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -513,3 +514,41 @@ def test_signed_bytes_are_bound_exactly():
         fmt.part_signed_bytes("run", "cd" * 32, place, dataclasses.replace(marker, kind=fmt.Kind.BASE, prev_step=None)),
     ]
     assert len({base, *changed}) == len(changed) + 1
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_cli_keygen_and_trust(tmp_path, capsys, keys):
+    from lightning_delta.cli import main
+
+    key = str(tmp_path / "cli-key")
+    assert main(["keygen", key]) == 0
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600 and PublicKey.load(key + ".pub")
+    assert main(["keygen", key]) == 2  # never overwrites a key
+    real = str(tmp_path / "real")
+    run_id, _ = publish(real, [1, 2], key)
+    capsys.readouterr()
+    assert main(["inspect", real]) == 0
+    assert f"signed by {PublicKey.load(key + '.pub').text} (not checked" in capsys.readouterr().out
+    assert main(["verify", real, "--trust", key + ".pub"]) == 0
+    assert main(["verify", real, "--trust", keys["attacker"] + ".pub", "--trust", keys["next"] + ".pub"]) == 2
+    assert "SignatureError" in capsys.readouterr().err
+    forge(tmp_path, real, run_id, 3, keys["attacker"])
+    assert main(["verify", real]) == 0  # without keys the forgery is not seen
+    capsys.readouterr()
+    assert main(["verify", real, "--trust", key + ".pub", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [(p["step"], p["error"]) for p in report["problems"]] == [(3, "SignatureError")]
+    assert main(["inspect", real, "--trust", key + ".pub"]) == 0
+    out = capsys.readouterr().out
+    assert "checked against --trust" in out and "DAMAGED: SignatureError" in out
+    out_file = str(tmp_path / "w.safetensors")
+    assert main(["materialize", real, "--step", "3", out_file, "--trust", key + ".pub"]) == 2
+    assert not os.path.exists(out_file)
+    assert main(["materialize", real, "--step", "2", out_file, "--trust", key + ".pub"]) == 0
+    unsigned = str(tmp_path / "unsigned")
+    publish(unsigned, [1])
+    capsys.readouterr()
+    assert main(["inspect", unsigned]) == 0 and "unsigned" in capsys.readouterr().out
+    assert main(["verify", unsigned, "--trust", key + ".pub"]) == 2

@@ -6,6 +6,10 @@
     lightning-delta materialize STORE --step N OUT_DIR --config MODEL_DIR  # a from_pretrained folder
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
+    lightning-delta keygen PATH                   # a signing key: PATH (private, 0600) and PATH.pub
+
+Every command that reads a chain takes `--trust PATH.pub` (repeatable): the run must then be signed
+by one of these keys, and anything unsigned or signed otherwise is a `SignatureError`.
 
 Every command takes `--json` and `--storage-options JSON` (fsspec options, e.g. an S3 endpoint;
 `AWS_ENDPOINT_URL` and fsspec's own config files work too).  Errors print one line and exit 2;
@@ -36,9 +40,10 @@ def open_run(args: argparse.Namespace) -> tuple[Store, Run]:
     """The store named on the command line and its run manifest; a prefix that holds no run is an
     error, so a typo in a URL never reads as an empty, healthy chain."""
     from .format import RUN_MANIFEST
+    from .signing import Trust
     from .store import Store
 
-    store = Store(args.store, args.storage_options)
+    store = Store(args.store, args.storage_options, trust=Trust.of(args.trust))
     manifest = store.manifest()
     if manifest is None:
         raise SnapshotNotFoundError(f"no lightning_delta run at {store.url} (no {RUN_MANIFEST} there)")
@@ -92,6 +97,10 @@ def _inspect(args: argparse.Namespace) -> int:
     rows = _rows(args)
     if args.json:
         return _emit(rows)
+    store, run = open_run(args)
+    signer = run.manifest.signer
+    checked = "checked against --trust" if store.trust else "not checked: pass --trust KEY.pub"
+    print(f"run {run.run_id}: " + (f"signed by {signer} ({checked})" if signer else "unsigned"))
     print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
     now = time.time()
     for r in rows:
@@ -234,6 +243,16 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from .signing import keygen
+
+    key = keygen(args.path)
+    if args.json:
+        return _emit({"private": args.path, "public": args.path + ".pub", "key": key.public.text})
+    print(f"wrote {args.path} (private, mode 0600; give it to the trainer only) and {args.path}.pub: {key.public.text}")
+    return 0
+
+
 def _emit(value: Any) -> int:
     json.dump(value, sys.stdout, indent=2)
     print()
@@ -272,6 +291,13 @@ def parser() -> argparse.ArgumentParser:
             metavar="JSON",
             help='fsspec options, e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'',
         )
+        c.add_argument(
+            "--trust",
+            action="append",
+            default=[],
+            metavar="KEY.pub",
+            help="refuse the chain unless signed by this public key (a path or 'ed25519:...'); repeatable",
+        )
         c.set_defaults(run=run)
         return c
 
@@ -301,6 +327,10 @@ def parser() -> argparse.ArgumentParser:
     gc = command("gc", "delete steps older than the K newest complete bases", _gc)
     gc.add_argument("--keep-bases", type=int, required=True)
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    keys = sub.add_parser("keygen", help="write a new Ed25519 signing key: PATH (private, 0600) and PATH.pub")
+    keys.add_argument("path", help="where the private key goes (it must not exist)")
+    keys.add_argument("--json", action="store_true", help="machine-readable output")
+    keys.set_defaults(run=_keygen)
     return p
 
 
