@@ -552,3 +552,43 @@ def test_cli_keygen_and_trust(tmp_path, capsys, keys):
     capsys.readouterr()
     assert main(["inspect", unsigned]) == 0 and "unsigned" in capsys.readouterr().out
     assert main(["verify", unsigned, "--trust", key + ".pub"]) == 2
+
+
+# ----------------------------------------------------------------------------- a multi-rank run
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp2_run_signs_every_ranks_parts(tmp_path, keys):
+    """Every rank signs its own parts: a trusting loader rebuilds every step bit for bit, every
+    marker of both ranks carries a signature that binds it, and rank 0's part at rank 1's place
+    (or the two swapped) is refused."""
+    from safetensors.torch import load_file
+
+    from conftest import ROOT, torchrun
+
+    store, truth = tmp_path / "store", tmp_path / "truth"
+    steps = 6
+    job = ROOT / "tests" / "dist_job.py"
+    torchrun(job, str(store), str(truth), "--strategy", "fsdp2", "--steps", str(steps), "--base-every", "3",
+             "--signing-key", keys["trainer"])  # fmt: skip
+    settings = trusting("trainer", keys=keys)
+    loader = DeltaLoader(str(store), settings)
+    assert loader.steps() == list(range(1, steps + 1))
+    trust = Trust.of(settings.trusted_keys)
+    assert trust is not None
+    run = loader.store.run()
+    for step in loader.steps():
+        assert_state(loader.state_dict(step)[1], load_file(truth / f"step-{step:06d}.safetensors"))
+        for rank in (0, 1):
+            for ref in loader.store.part_refs(step, rank, 2):
+                marker = loader.store.read_marker(step, rank, 2, bridge=ref.bridge)
+                assert marker.signature is not None
+                trust.check_part(run, marker, fmt.PartPlace(step, rank, 2, ref.bridge), "here")
+    for path in (fmt.blob_path, fmt.commit_path):  # ranks 0 and 1 of step 5 swapped
+        zero, one = store / path(5, 0, 2), store / path(5, 1, 2)
+        data = zero.read_bytes()
+        zero.write_bytes(one.read_bytes())
+        one.write_bytes(data)
+    with pytest.raises(SignatureError, match="does not bind"):
+        DeltaLoader(str(store), settings).state_dict(5)
+    assert_state(DeltaLoader(str(store), settings).state_dict(4)[1], load_file(truth / "step-000004.safetensors"))

@@ -98,7 +98,7 @@ RUN_MANIFEST = "run.json"
 HEARTBEAT = "heartbeat.json"
 HEARTBEAT_FORMAT = "lightning_delta.heartbeat/1"
 PART_SIGNATURE = "lightning_delta.part-signature/1"
-"""The `format` of the statement a commit marker's signature signs (section 7)."""
+"""The `format` of the statement a commit marker's signature signs (section 10)."""
 _COMMIT_FORMAT_V2 = "lightning_delta.commit/2"  # before signatures: still read, as unsigned
 _RUN_FORMAT_V2 = "lightning_delta.run/2"
 
@@ -463,7 +463,7 @@ class _CommitMarkerV2:
 
 @dataclass(frozen=True)
 class PartStatement:
-    """What a commit marker's signature signs (section 7): the marker, and where it belongs."""
+    """What a commit marker's signature signs (section 10): the marker, and where it belongs."""
 
     run_id: str
     manifest: str  # SHA-256 of `run.json`'s bytes (the signed manifest, signature included)
@@ -701,14 +701,14 @@ def encode_manifest(manifest: RunManifest) -> bytes:
 def decode_manifest(data: bytes) -> Run:
     manifest = _either(data, RunManifest, _RunManifestV2, what="run manifest", max_bytes=MAX_MANIFEST_BYTES)
     if manifest.signature is not None and records.dumps(manifest) != data:
-        raise FormatError("a signed run manifest must be stored in its canonical encoding (section 7)")
+        raise FormatError("a signed run manifest must be stored in its canonical encoding (section 10)")
     return Run(manifest, hashlib.sha256(data).hexdigest())
 
 
 def decode_heartbeat(data: bytes) -> Heartbeat:
     beat = records.loads(data, Heartbeat, what="heartbeat", max_bytes=MAX_MARKER_BYTES)
     if beat.signature is not None and records.dumps(beat) != data:
-        raise FormatError("a signed heartbeat must be stored in its canonical encoding (section 7)")
+        raise FormatError("a signed heartbeat must be stored in its canonical encoding (section 10)")
     return beat
 
 

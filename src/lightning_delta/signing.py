@@ -6,7 +6,7 @@ it is read (`store.Store`), so every reading path (loader, follower, replica, en
 refuses, with `SignatureError` and before a byte of a payload is decoded, anything unsigned,
 signed by another key, or whose signature does not bind what it claims.  What is signed is
 `format`'s business (`run_signed_bytes`, `part_signed_bytes`, `heartbeat_signed_bytes`,
-docs/FORMAT.md section 7); this module only signs and verifies bytes.
+docs/FORMAT.md section 10); this module only signs and verifies bytes.
 
 Keys in text: a public key is `ed25519:` and its 32 raw bytes in lower-case hex (the manifest
 names its signer so); a private key file is PKCS#8 PEM, as `openssl genpkey -algorithm ed25519`
