@@ -592,3 +592,19 @@ def test_a_two_rank_fsdp2_run_signs_every_ranks_parts(tmp_path, keys):
     with pytest.raises(SignatureError, match="does not bind"):
         DeltaLoader(str(store), settings).state_dict(5)
     assert_state(DeltaLoader(str(store), settings).state_dict(4)[1], load_file(truth / "step-000004.safetensors"))
+
+
+def test_cost_counts_signed_markers_as_loaders_read_them(signed_chain, capsys):
+    """`cost` sizes markers from refs alone: a signed marker's 140 more bytes are counted too."""
+    from lightning_delta.cli import main
+
+    url, _, _ = signed_chain
+    assert main(["cost", url, "--regions", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    follower, moved = DeltaLoader(url), 0
+    follower.steps()
+    for step in range(1, 6):
+        follower.state_dict(step)
+        assert follower.last_report is not None
+        moved += follower.last_report.bytes_read
+    assert report["readers"]["in_sync_follower"]["per_region"] == moved

@@ -97,10 +97,6 @@ def _inspect(args: argparse.Namespace) -> int:
     rows = _rows(args)
     if args.json:
         return _emit(rows)
-    store, run = open_run(args)
-    signer = run.manifest.signer
-    checked = "checked against --trust" if store.trust else "not checked: pass --trust KEY.pub"
-    print(f"run {run.run_id}: " + (f"signed by {signer} ({checked})" if signer else "unsigned"))
     print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
     now = time.time()
     for r in rows:
@@ -113,6 +109,10 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
                 f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
             )
+    store, run = open_run(args)
+    signer = run.manifest.signer
+    checked = "checked against --trust" if store.trust else "not checked: pass --trust KEY.pub"
+    print(f"run {run.run_id}: " + (f"signed by {signer} ({checked})" if signer else "unsigned"))
     return 0
 
 

@@ -403,10 +403,11 @@ class PartRef:
     size: int  # bytes of its blob: what fetching it costs
     bridge: bool = False  # the delta written beside a base
     sha256: str = ""  # of its blob, from the marker: what the fetched bytes are checked against
+    signature: str | None = None  # the marker's (checked where the marker was read, if keys are trusted)
 
     @property
     def marker(self) -> CommitMarker:
-        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step)
+        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step, signature=self.signature)
 
 
 class PartPlace(NamedTuple):

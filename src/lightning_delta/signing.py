@@ -15,6 +15,7 @@ writes it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable
@@ -66,8 +67,7 @@ class PublicKey:
     def verify(self, signature: str, message: bytes) -> bool:
         """Whether `signature` (128 hex digits, as the format stores it) signs `message`."""
         try:
-            key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(self.text.removeprefix("ed25519:")))
-            key.verify(bytes.fromhex(signature), message)
+            _ed25519(self.text).verify(bytes.fromhex(signature), message)
         except (InvalidSignature, ValueError):
             return False
         return True
@@ -76,6 +76,12 @@ class PublicKey:
     def short(self) -> str:
         """The key as a person compares it: its first 16 hex digits."""
         return self.text[: len("ed25519:") + 16]
+
+
+@functools.lru_cache(maxsize=64)
+def _ed25519(text: str) -> Ed25519PublicKey:
+    """The key object of a key's text, built once: a reader verifies every marker it reads."""
+    return Ed25519PublicKey.from_public_bytes(bytes.fromhex(text.removeprefix("ed25519:")))
 
 
 class SigningKey:

@@ -282,7 +282,7 @@ def _step_in(name: str, block: int) -> int | None:
 
 
 def _ref(step: int, marker: fmt.CommitMarker, *, bridge: bool) -> PartRef:
-    return PartRef(step, marker.kind, marker.prev_step, marker.size, bridge, marker.sha256)
+    return PartRef(step, marker.kind, marker.prev_step, marker.size, bridge, marker.sha256, marker.signature)
 
 
 def as_store(
