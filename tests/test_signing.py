@@ -257,13 +257,14 @@ def test_each_bound_field_swapped_is_refused(signed_chain, keys, name):
 
 def test_a_replaced_blob_under_a_signed_marker_is_refused_before_decoding(signed_chain, keys, monkeypatch):
     url, _, _ = signed_chain
-    planted = _read(url, fmt.blob_path(2, 0, 1))
-    _write(url, fmt.blob_path(5, 0, 1), planted)
+    planted = bytearray(_read(url, fmt.blob_path(5, 0, 1)))
+    planted[-1] ^= 0x01  # same size, another digest than the signed one
+    _write(url, fmt.blob_path(5, 0, 1), bytes(planted))
     decoded, decode = [], fmt.decode_blob
     monkeypatch.setattr(fmt, "decode_blob", lambda blob: decoded.append(bytes(blob)) or decode(blob))
     with pytest.raises(ChecksumError):
         DeltaLoader(url, trusting("trainer", keys=keys)).state_dict(5)
-    assert decoded and planted not in decoded  # step 4's base was decoded, the planted blob never
+    assert decoded and bytes(planted) not in decoded  # step 4's base was decoded, the planted blob never
 
 
 def test_another_runs_signed_part_is_refused(tmp_path, signed_chain, keys):
@@ -467,7 +468,10 @@ def test_a_withheld_step_is_detected_by_max_heartbeat_age(tmp_path, keys, caplog
             tensors["a"][step] = float(step)
             pub.publish(step)
         pub.flush()
-        shutil.copytree(real, mirror)  # the mirror stops copying here
+        # The mirror stops copying here (the heartbeat, which rank 0 may be rewriting now, comes below).
+        shutil.copytree(
+            real, mirror, ignore=lambda d, names: [n for n in names if d == real and n != "run.json" and n != "steps"]
+        )
         for step in (3, 4):
             pub.publish(step)
     run = Store(mirror).run()
@@ -608,3 +612,24 @@ def test_cost_counts_signed_markers_as_loaders_read_them(signed_chain, capsys):
         assert follower.last_report is not None
         moved += follower.last_report.bytes_read
     assert report["readers"]["in_sync_follower"]["per_region"] == moved
+
+
+def test_steps_withheld_behind_a_relayed_heartbeat_are_detected(tmp_path, keys):
+    """A mirror that relays the trainer's fresh heartbeat (step 4) but withholds steps 3 and 4:
+    once that has lasted `max_heartbeat_age`, a strict follower raises."""
+    real, mirror = str(tmp_path / "real"), str(tmp_path / "mirror")
+    run_id, _ = publish(real, [1, 2, 3, 4], keys["trainer"])
+    shutil.copytree(real, mirror)
+    for step in (3, 4):
+        shutil.rmtree(Path(mirror) / fmt.step_dir(step))
+    run = Store(mirror).run()
+    beat = fmt.Heartbeat(run_id, run.sha256, 4, time.time() + 3600)  # fresh for the whole test
+    Store(mirror).beat(beat, SigningKey.load(keys["trainer"]))
+    strict = trusting("trainer", keys=keys, max_heartbeat_age=0.2, refuse_stale=True)
+    follower = DeltaLoader(mirror, strict).follow(FollowSettings(poll_seconds=0.05, timeout=120))
+    with pytest.raises(StaleChainError, match="names step 4"):
+        for followed in follower:
+            assert followed.step == 2
+    shutil.copytree(Path(real) / fmt.step_dir(3), Path(mirror) / fmt.step_dir(3))
+    shutil.copytree(Path(real) / fmt.step_dir(4), Path(mirror) / fmt.step_dir(4))
+    assert DeltaLoader(mirror, strict).state_dict()[0] == 4  # nothing withheld any more

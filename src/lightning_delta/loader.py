@@ -114,30 +114,47 @@ class DeltaLoader:
         self._generation = 0  # advances with every write, so a step decoded before it is never written
         self._lock = threading.Lock()  # guards the held state; decoding only reads it
         self.last_report: LoadReport | None = None
-        self._stale = False  # warned about the heartbeat's age, until a fresh one is seen
+        self._stale = False  # warned about the heartbeat, until it is fine again
+        self._behind_since: float | None = None  # since when the heartbeat names a step not seen here
 
     # ------------------------------------------------------------------ public
 
     def steps(self, after: int | None = None) -> list[int]:
         """Steps whose every rank part is committed, ascending; with `after`, only later ones.
 
-        With `max_heartbeat_age`, the heartbeat is checked first (every poll of a follower)."""
+        With `max_heartbeat_age`, the heartbeat is checked too (every poll of a follower)."""
+        found = self._reader.steps(after)
         if self.settings.max_heartbeat_age is not None:
-            self.check_heartbeat(self.settings.max_heartbeat_age)
-        return self._reader.steps(after)
+            self.check_heartbeat(self.settings.max_heartbeat_age, found[-1] if found else after)
+        return found
 
-    def check_heartbeat(self, max_age: float) -> float | None:
+    def check_heartbeat(self, max_age: float, newest: int | None = None) -> float | None:
         """The age in seconds of the run's newest heartbeat (checked against the trusted keys), None
-        if there is none; warns, or with `refuse_stale` raises `StaleChainError`, if it is older
-        than `max_age` or missing."""
+        if there is none.  Warns, or with `refuse_stale` raises `StaleChainError`, if it is older
+        than `max_age` or missing (a frozen store), or if the step it names has stayed newer than
+        `newest`, the newest complete step seen here, for longer than `max_age` (steps withheld
+        while the heartbeat is relayed)."""
         beat = self.store.heartbeat() if self.store.manifest() is not None else None
         age = None if beat is None else time.time() - beat.time
-        if age is not None and age <= max_age:
+        problem = "no heartbeat" if age is None else f"the newest heartbeat is {age:.1f} s old"
+        if beat is not None and age is not None and age <= max_age:
+            problem = ""
+            if beat.step is not None and beat.step > (-1 if newest is None else newest):
+                if self._behind_since is None:
+                    self._behind_since = time.monotonic()
+                waited = time.monotonic() - self._behind_since
+                if waited > max_age:
+                    problem = (
+                        f"the heartbeat names step {beat.step}, but for {waited:.1f} s the newest complete "
+                        f"step seen here is {newest}"
+                    )
+            else:
+                self._behind_since = None
+        if not problem:
             self._stale = False
             return age
-        said = "no heartbeat" if age is None else f"the newest heartbeat is {age:.1f} s old"
         what = (
-            f"{self.store.url}: {said} (max_heartbeat_age {max_age} s): the store, or a mirror on the way, "
+            f"{self.store.url}: {problem} (max_heartbeat_age {max_age} s): the store, or a mirror on the way, "
             "may be withholding the trainer's newer steps, or the trainer stopped"
         )
         if self.settings.refuse_stale:
