@@ -633,3 +633,33 @@ def test_steps_withheld_behind_a_relayed_heartbeat_are_detected(tmp_path, keys):
     shutil.copytree(Path(real) / fmt.step_dir(3), Path(mirror) / fmt.step_dir(3))
     shutil.copytree(Path(real) / fmt.step_dir(4), Path(mirror) / fmt.step_dir(4))
     assert DeltaLoader(mirror, strict).state_dict()[0] == 4  # nothing withheld any more
+
+
+def test_a_forged_step_far_ahead_does_not_make_a_follower_skip_the_trainers_steps(tmp_path, keys):
+    """A signed follower that refuses a planted step 1000 still takes the trainer's steps 3 and 4
+    (damage would make it wait for a step past 1000; a forgery is only passed over)."""
+    real = str(tmp_path / "real")
+    tensors, truth = weights(), {}
+    with DeltaPublisher(real, tensors, PublisherSettings(base_every=10, signing_key=keys["trainer"])) as pub:
+        for step in (1, 2):
+            tensors["a"][step] = float(step)
+            pub.publish(step)
+        pub.flush()
+        follower = DeltaLoader(real, trusting("trainer", keys=keys)).follow(
+            FollowSettings(poll_seconds=0.05, timeout=120)
+        )
+        assert next(follower).step == 2
+        forge(tmp_path, real, pub.run_id, 1000, keys["attacker"])
+        for step in (3,):
+            tensors["a"][step] = float(step)
+            pub.publish(step)
+            truth[step] = {k: v.clone() for k, v in tensors.items()}
+        pub.flush()
+        taken = next(follower)
+        assert taken.step == 3 and 1000 in taken.skipped
+        assert_state(taken.tensors, truth[3])
+        tensors["a"][4] = 4.0
+        pub.publish(4)
+        pub.flush()
+        assert next(follower).step == 4
+        follower.close()

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .errors import DeltaError, StoreError
+from .errors import DeltaError, SignatureError, StoreError
 from .patch import LoadReport, StepPatch
 
 __all__ = ["FollowSettings", "FollowedStep", "follow"]
@@ -200,6 +200,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
     def produce() -> None:
         last = source.held_step  # newer steps than the one held
         skipped: list[int] = []
+        forged: set[int] = set()  # refused by signature: passed over, never a reason to skip past
         idle_since, said = time.monotonic(), False
         handed_out = False
         try:
@@ -209,7 +210,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     idle_since, handed_out = time.monotonic(), False
                 decision: int | BaseException
                 try:
-                    newer = source.steps(after=last)
+                    newer = [s for s in source.steps(after=last) if s not in forged]
                     if not newer and last is None and not said:  # a follower started before its trainer
                         log.warning("following: no complete step yet, polling every %s s", settings.poll_seconds)
                         said = True
@@ -231,6 +232,11 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     prepared = source.prepare(newest)
                 except StoreError:  # not damage: a store that fails for good ends the iteration
                     raise
+                except SignatureError as err:  # not the trainer's: the steps before it may still come
+                    log.warning("step %d refused, passing over it: %s", newest, err)
+                    skipped.append(newest)
+                    forged.add(newest)
+                    continue
                 except DeltaError as err:  # damage: wait for a step that rebuilds (the next base)
                     log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, err)
                     skipped.append(newest)
