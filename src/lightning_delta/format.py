@@ -69,6 +69,7 @@ __all__ = [
     "blob_path",
     "block_dir",
     "check_run_id",
+    "commit_marker",
     "commit_path",
     "decode_blob",
     "decode_commit",
@@ -679,8 +680,13 @@ def parse_part(blob: bytes | memoryview, ref: PartRef, rank: int, run: Run) -> P
 # ----------------------------------------------------------------------------- commit and run
 
 
+def commit_marker(blob: bytes, header: PartHeader) -> CommitMarker:
+    """The (unsigned) commit marker of a blob with this header."""
+    return CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), header.kind, header.prev_step)
+
+
 def encode_commit(blob: bytes, header: PartHeader) -> bytes:
-    return records.dumps(CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), header.kind, header.prev_step))
+    return records.dumps(commit_marker(blob, header))
 
 
 def decode_commit(marker: bytes) -> CommitMarker:

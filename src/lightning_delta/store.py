@@ -96,13 +96,13 @@ class Store:
         """
         where = (header.step, header.rank, header.world_size)
         key = fmt.blob_path(*where, bridge=bridge)
-        marker = fmt.encode_commit(blob, header)
+        record = fmt.commit_marker(blob, header)
         if signer is not None:
             if run_id is None:
                 raise ValueError("a signed marker binds its run: pass run_id with signer")
-            unsigned = fmt.decode_commit(marker)
-            signed = fmt.part_signed_bytes(run_id, header.manifest, fmt.PartPlace(*where, bridge), unsigned)
-            marker = records.dumps(dataclasses.replace(unsigned, signature=signer.sign(signed)))
+            signed = fmt.part_signed_bytes(run_id, header.manifest, fmt.PartPlace(*where, bridge), record)
+            record = dataclasses.replace(record, signature=signer.sign(signed))
+        marker = records.dumps(record)
         if not (self.objects.create(key, blob) and self.objects.create(fmt.commit_path(*where, bridge=bridge), marker)):
             raise ConflictError(
                 f"{self.url}/{key} already exists: another publisher wrote this step of the chain; "
