@@ -104,7 +104,7 @@ def test_a_delta_parts_fixed_overhead_is_small():
             created=1_764_762_000.123456,
         )
         blob = fmt.encode_blob(h, [fmt.PayloadEntry(0, 12_345_678, 2**64 - 1)] * n, [b""] * n)
-        marker = fmt.CommitMarker(10**12, "f" * 64, h.kind, h.prev_step)
+        marker = fmt.CommitMarker(10**12, "f" * 64, h.kind, h.prev_step, signature="e" * 128)  # signed
         overhead = len(blob) + len(records.dumps(marker))
         assert overhead <= 1024 + 64 * n, (n, overhead)
 
