@@ -663,3 +663,24 @@ def test_a_forged_step_far_ahead_does_not_make_a_follower_skip_the_trainers_step
         pub.flush()
         assert next(follower).step == 4
         follower.close()
+
+
+@pytest.mark.slow
+def test_hydra_delta_signing_key_signs_a_training_run(tmp_path, keys, capsys):
+    """`delta.signing_key=...` from the command line of scripts/train.py (Lightning's callback):
+    the chain verifies with the trainer's key only."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from lightning_delta.cli import main
+
+    store = tmp_path / "store"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "steps=3", "model.dim=32"]
+    cmd += [f"store.url={store}", f"delta.signing_key={keys['trainer']}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["verify", str(store), "--trust", keys["trainer"] + ".pub"]) == 0
+    assert main(["verify", str(store), "--trust", keys["next"] + ".pub"]) == 2
+    assert "SignatureError" in capsys.readouterr().err
