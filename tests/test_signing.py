@@ -684,3 +684,35 @@ def test_hydra_delta_signing_key_signs_a_training_run(tmp_path, keys, capsys):
     assert main(["verify", str(store), "--trust", keys["trainer"] + ".pub"]) == 0
     assert main(["verify", str(store), "--trust", keys["next"] + ".pub"]) == 2
     assert "SignatureError" in capsys.readouterr().err
+
+
+def _replica_worker(rank: int, url: str, trusted: str, out: str) -> None:
+    """One worker of a two-worker replica: the forged step, then the trainer's."""
+    import torch.distributed as dist
+
+    from lightning_delta import DeltaError
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
+    loader = DeltaLoader(url, LoaderSettings(trusted_keys=(trusted,)), process_group=dist.group.WORLD)
+    try:
+        loader.state_dict(3)
+        forged = "loaded"
+    except DeltaError as err:
+        forged = type(err).__name__
+    step, state = loader.state_dict(2)
+    torch.save({"forged": forged, "step": step, "state": state}, f"{out}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_replicas_workers_all_refuse_a_forged_step(tmp_path, keys):
+    """Only worker 0 reads the (one-rank) chain's markers; both raise `SignatureError`, and both
+    then load the trainer's step."""
+    real = str(tmp_path / "real")
+    run_id, truth = publish(real, [1, 2], keys["trainer"])
+    forge(tmp_path, real, run_id, 3, keys["attacker"])
+    torch.multiprocessing.spawn(_replica_worker, args=(real, keys["trainer"] + ".pub", str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank-{rank}.pt")
+        assert got["forged"] == "SignatureError" and got["step"] == 2, got["forged"]
+        assert_state(got["state"], truth[2])
