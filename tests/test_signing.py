@@ -716,3 +716,19 @@ def test_a_replicas_workers_all_refuse_a_forged_step(tmp_path, keys):
         got = torch.load(tmp_path / f"rank-{rank}.pt")
         assert got["forged"] == "SignatureError" and got["step"] == 2, got["forged"]
         assert_state(got["state"], truth[2])
+
+
+def test_a_private_key_readable_by_others_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "key"
+    keygen(path)
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.signing"):
+        SigningKey.load(path)
+    assert "readable by other users" not in caplog.text
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.signing"):
+        SigningKey.load(path)
+    assert "readable by other users" in caplog.text
+    (tmp_path / "other.pub").write_text("x")
+    with pytest.raises(FileExistsError):
+        keygen(tmp_path / "other")
+    assert not (tmp_path / "other").exists()

@@ -15,6 +15,10 @@ is two objects (docs/FORMAT.md has the byte-level rules):
 At a base step after a rank's first, the rank also writes a *bridge*, `rank-...bridge.ldelta`: a
 delta against its previous part, so a reader that holds that part never downloads the base.
 
+A signed run (section 10 of docs/FORMAT.md) adds a `signer` and a `signature` to the manifest, a
+`signature` to every marker (over a `PartStatement`: the marker, its run and its place) and a
+`heartbeat.json`; this module says what each signature signs, `signing` signs and checks.
+
 Every JSON object goes through `records.loads`, so unknown or missing keys, wrong types and
 out-of-range numbers are all `FormatError`: a reader refuses foreign objects rather than guess.
 Every size a reader allocates for is bounded here, before anything is allocated.

@@ -15,7 +15,9 @@ writes it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -29,6 +31,8 @@ from . import format as fmt
 from .errors import SignatureError
 
 __all__ = ["PublicKey", "SigningKey", "Trust", "keygen"]
+
+log = logging.getLogger(__name__)
 
 _KEY_TEXT = re.compile(r"ed25519:[0-9a-f]{64}")
 MAX_KEY_FILE = 4096
@@ -107,6 +111,9 @@ class SigningKey:
     def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         """The private key in a PKCS#8 PEM file (what `keygen` writes); ValueError if it is not one."""
         data = _read_key_file(os.fspath(path))
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mode & 0o077:
+                log.warning("%s is readable by other users: anyone who can read it can sign weights", os.fspath(path))
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError) as err:
@@ -129,6 +136,8 @@ def keygen(path: str | os.PathLike[str]) -> SigningKey:
     """Write a new key: `path` (the private key, mode 0600, created exclusively) and `path.pub`."""
     key = SigningKey.generate()
     path = os.fspath(path)
+    if os.path.exists(path + ".pub"):
+        raise FileExistsError(f"{path}.pub exists: choose another PATH (keygen never overwrites a key)")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as out:
         out.write(key.pem())
