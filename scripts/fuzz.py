@@ -2,6 +2,7 @@
 
     python scripts/fuzz.py codec --cases 1000000 --seed 0   # tensor payloads through codec.decode
     python scripts/fuzz.py store --trials 10000 --seed 0    # damaged stores through DeltaLoader
+    python scripts/fuzz.py store --signed --trials 10000    # signed chains, loaded with the trainer's key
     python scripts/fuzz.py codec --engine atheris           # coverage-guided (pip install atheris)
 
 Each case ends in one of these outcomes:
@@ -14,7 +15,8 @@ Each case ends in one of these outcomes:
   as a vLLM engine on the CPU takes it (`sparse_walk`), the payload is refused where it decodes in
   one piece, or the other way round, or gives other values -- must never happen;
 * wrong: other values that pass (codec: a checksum collision; store: weights handed out that
-  are not the trainer's) -- must never happen;
+  are not the trainer's; signed store: a step loaded whose run, manifest or markers are not the
+  trainer's signed ones) -- must never happen;
 * other: any other exception type -- must never happen;
 * bomb: peak memory over 4x the expected output plus 64 MiB -- must never happen;
 * hang: a case over `--limit` seconds -- must never happen.
@@ -52,6 +54,7 @@ from lightning_delta import (
     DeltaLoader,
     DeltaPublisher,
     FormatError,
+    LoaderSettings,
     PublisherSettings,
     Store,
     codec,
@@ -61,6 +64,7 @@ from lightning_delta import (
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum
 from lightning_delta.retention import collect
+from lightning_delta.signing import keygen
 
 FAILURES = ("wrong", "split", "other", "bomb", "hang")
 _SLACK = 64 << 20
@@ -343,7 +347,7 @@ def run_atheris(seed: int, libfuzzer_args: list[str]) -> None:
 _STEPS, _BASE_EVERY = 8, 4
 
 
-def build_chain(url: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+def build_chain(url: str, seed: int, key: str | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """A small published chain and the trainer's state at each step: small weights change more
     often than large ones, as under Adam, so its deltas and bridges are CLASSED payloads."""
     g = torch.Generator().manual_seed(seed)
@@ -355,7 +359,7 @@ def build_chain(url: str, seed: int) -> dict[int, dict[str, torch.Tensor]]:
     }
     truth = {}
     options = codec.CodecOptions(context=codec.Context.EXPONENT)
-    settings = PublisherSettings(base_every=_BASE_EVERY, codec=options)
+    settings = PublisherSettings(base_every=_BASE_EVERY, codec=options, signing_key=key)
     with DeltaPublisher(url, lambda: tensors, settings) as publisher:
         for step in range(1, _STEPS + 1):
             for t in tensors.values():
@@ -392,12 +396,15 @@ def _hostile_json(rng: random.Random) -> object:
     )
 
 
-def damage(rng: random.Random, root: Path, foreign: Path) -> str:
-    """One random act of damage on the store at `root`; returns what it did."""
+def damage(rng: random.Random, root: Path, foreign: Path, signed: bool = False) -> str:
+    """One random act of damage on the store at `root` (of a signed chain: signatures too);
+    returns what it did."""
     objects = _objects(root)
     parts = [p for p in objects if p.name.endswith(".ldelta")]
     target = rng.choice(objects)
-    kind = rng.randrange(10)
+    kind = rng.randrange(12 if signed else 10)
+    if kind >= 10:
+        return mutate_signature(rng, [p for p in objects if p.suffix in (".commit", ".json")])
     if kind == 0:  # bit flips in any object
         data = bytearray(target.read_bytes())
         for _ in range(rng.randint(1, 4)):
@@ -481,6 +488,39 @@ def damage(rng: random.Random, root: Path, foreign: Path) -> str:
     return f"json {victim.name}"
 
 
+def mutate_signature(rng: random.Random, objects: list[Path]) -> str:
+    """A signature field of a marker, the manifest or the heartbeat: truncated, one digit altered,
+    doubled, another object's, null, upper-case, removed, or junk; the rest of the object kept."""
+    victim = rng.choice(objects)
+    try:
+        raw = json.loads(victim.read_bytes())
+        donor = json.loads(rng.choice(objects).read_bytes())
+    except (ValueError, OSError):
+        return "no signature to mutate"
+    if not isinstance(raw, dict) or not isinstance(raw.get("signature"), str):
+        return "no signature to mutate"
+    sig: str = raw["signature"]
+    at = rng.randrange(len(sig))
+    choices: list[Any] = [
+        sig[: rng.randrange(len(sig))],
+        sig[:at] + ("0" if sig[at] != "0" else "1") + sig[at + 1 :],
+        sig + sig,
+        donor.get("signature") if isinstance(donor, dict) else None,
+        None,
+        sig.upper(),
+        _hostile_json(rng),
+    ]
+    how = rng.randrange(len(choices) + 1)
+    if how == len(choices):
+        del raw["signature"]
+    else:
+        raw["signature"] = choices[how]
+    if "signer" in raw and rng.random() < 0.3:  # the manifest's signer too
+        raw["signer"] = rng.choice([None, "ed25519:" + "0" * 64, str(raw["signer"])[:-1]])
+    victim.write_bytes(json.dumps(raw, separators=(",", ":"), sort_keys=True).encode())
+    return f"signature {how} of {victim.name}"
+
+
 def _pick_field(rng: random.Random, node: Any) -> tuple[Any, Any]:
     """A random (container, key) inside a parsed JSON object, leaves preferred."""
     while True:
@@ -509,8 +549,8 @@ def _resign(part: Path, blob: bytes) -> None:
     Path(f"{part}.commit").write_bytes(records.dumps(signed))
 
 
-def _load_case(url: str, truth: dict, rng: random.Random) -> str:
-    loader = DeltaLoader(url)
+def _load_case(url: str, truth: dict, rng: random.Random, trusted: tuple[str, ...] = ()) -> str:
+    loader = DeltaLoader(url, LoaderSettings(trusted_keys=trusted))
     outcomes = []
     steps = loader.steps()
     for step in [*rng.sample(range(0, _STEPS + 2), 4), None]:
@@ -533,15 +573,24 @@ def _load_case(url: str, truth: dict, rng: random.Random) -> str:
     return "exact" if "exact" in outcomes else "refused"
 
 
-def fuzz_store(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[str], None] | None = None) -> Counter:
-    """Damage a published chain `trials` times and load from each; returns outcome counts."""
+def fuzz_store(
+    trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[str], None] | None = None, signed: bool = False
+) -> Counter:
+    """Damage a published chain `trials` times and load from each; returns outcome counts.
+
+    `signed`: the chain (and the foreign one) signed by one key, loaded trusting it, and the
+    damage includes signature fields (`mutate_signature`)."""
     rng = random.Random(seed)
     counts: Counter = Counter()
     logging.getLogger("lightning_delta").setLevel(logging.ERROR)  # stray names are logged, by design
     with tempfile.TemporaryDirectory() as tmp:
         pristine, foreign = Path(tmp, "pristine"), Path(tmp, "foreign")
-        truth = build_chain(str(pristine), seed)
-        build_chain(str(foreign), seed)  # same bytes, another run id
+        key, trusted = None, ()
+        if signed:
+            keygen(Path(tmp, "key"))
+            key, trusted = str(Path(tmp, "key")), (str(Path(tmp, "key.pub")),)
+        truth = build_chain(str(pristine), seed, key)
+        build_chain(str(foreign), seed, key)  # same bytes, another run id (signed by the same key)
         expected = sum(t.numel() * 2 for t in truth[1].values())
         for trial in range(trials):
             root = Path(tmp, "trial")
@@ -550,10 +599,10 @@ def fuzz_store(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[s
             acts = []
             for _ in range(rng.randint(1, 3)):
                 try:
-                    acts.append(damage(rng, root, foreign))
+                    acts.append(damage(rng, root, foreign, signed))
                 except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, DeltaError):
                     acts.append("nothing to damage")  # earlier damage left nothing to act on
-            outcome, detail = _judge(partial(_load_case, str(root), truth, rng), expected, limit)
+            outcome, detail = _judge(partial(_load_case, str(root), truth, rng, trusted), expected, limit)
             counts[outcome] += 1
             if outcome in FAILURES and log:
                 log(f"trial {trial} (seed {seed}): {outcome} after {acts}\n{detail}")
@@ -571,6 +620,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=float, default=30.0, help="seconds before a case counts as a hang")
     p.add_argument("--engine", choices=["random", "atheris"], default="random")
+    p.add_argument("--signed", action="store_true", help="store: a signed chain, loaded with its key")
     ours, _, libfuzzer = " ".join(sys.argv[1:]).partition(" -- ")  # after --: libFuzzer's own flags
     args = p.parse_args(ours.split())
     logging_sink = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -581,7 +631,7 @@ def main() -> int:
     if args.target == "codec":
         counts = fuzz_codec(args.cases, args.seed, args.limit, logging_sink)
     else:
-        counts = fuzz_store(args.trials, args.seed, args.limit, logging_sink)
+        counts = fuzz_store(args.trials, args.seed, args.limit, logging_sink, signed=args.signed)
     total = sum(counts.values())
     print(f"{args.target}: {total} cases, seed {args.seed}, {time.perf_counter() - started:.0f} s")
     for outcome in ("refused", "exact", "caught", *FAILURES):

@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--endpoint", help="S3 endpoint URL (a test's moto server)")
     p.add_argument("--probe", action="store_true", help="publish a probe's log-probs with every step")
+    p.add_argument("--signing-key", help="sign the chain with this private key (every rank its own parts)")
     args = p.parse_args()
     os.makedirs(args.truth, exist_ok=True)
     torch.manual_seed(0)  # same initial weights and data on every rank
@@ -110,7 +111,7 @@ def main() -> None:
         callbacks=[
             DeltaCallback(
                 args.store,
-                PublisherSettings(base_every=args.base_every),
+                PublisherSettings(base_every=args.base_every, signing_key=args.signing_key),
                 submodule="model",
                 storage_options=options,
                 probe=probe if args.probe else None,

@@ -81,7 +81,8 @@ def test_inspect(chain, capsys):
     delta = rows[1]
     assert 0 < delta["changed_fraction"] < 0.5 and delta["ratio_to_full"] < rows[0]["ratio_to_full"]
     code, out, _ = run_cli(capsys, "inspect", chain)
-    assert code == 0 and len(out.splitlines()) == 13 and " base " in out
+    assert code == 0 and len(out.splitlines()) == 14 and " base " in out
+    assert out.splitlines()[-1].endswith(": unsigned")
 
 
 def test_verify_is_clean_then_names_a_planted_corruption(chain, tmp_path, capsys):

@@ -62,10 +62,11 @@ GOLDEN_HEADER = (
     b'"prev_step":null,"probe":1,"rank":0,"step":1,"world_size":1}'
 )
 GOLDEN_MANIFEST = (
-    b'{"created":1.5,"format":"lightning_delta.run/2","part_format":"lightning_delta/5",'
+    b'{"created":1.5,"format":"lightning_delta.run/3","part_format":"lightning_delta/5",'
     b'"ranks":[[[{"numel":4,"start":0,"tensor":1}]],[[{"numel":2,"start":4,"tensor":1},'
-    b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","tensors":[{"dtype":"bfloat16","name":"b",'
-    b'"shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],"world_size":2}'
+    b'{"numel":3,"start":0,"tensor":0}]]],"run_id":"run","signature":null,"signer":null,'
+    b'"tensors":[{"dtype":"bfloat16","name":"b","shape":[3]},{"dtype":"bfloat16","name":"w","shape":[2,3]}],'
+    b'"world_size":2}'
 )
 
 
@@ -79,7 +80,8 @@ def test_golden_bytes_pin_the_blob_marker_and_manifest():
     assert blob == prefix + GOLDEN_HEADER + table + probe + b"abcd"
     digest = hashlib.sha256(blob).hexdigest()
     marker = (
-        f'{{"format":"lightning_delta.commit/2","kind":"base","prev_step":null,"sha256":"{digest}","size":{len(blob)}}}'
+        f'{{"format":"lightning_delta.commit/3","kind":"base","prev_step":null,"sha256":"{digest}",'
+        f'"signature":null,"size":{len(blob)}}}'
     )
     assert fmt.encode_commit(blob, h) == marker.encode()
     delta = header(kind=fmt.Kind.DELTA, prev_step=0)
@@ -102,7 +104,7 @@ def test_a_delta_parts_fixed_overhead_is_small():
             created=1_764_762_000.123456,
         )
         blob = fmt.encode_blob(h, [fmt.PayloadEntry(0, 12_345_678, 2**64 - 1)] * n, [b""] * n)
-        marker = fmt.CommitMarker(10**12, "f" * 64, h.kind, h.prev_step)
+        marker = fmt.CommitMarker(10**12, "f" * 64, h.kind, h.prev_step, signature="e" * 128)  # signed
         overhead = len(blob) + len(records.dumps(marker))
         assert overhead <= 1024 + 64 * n, (n, overhead)
 
@@ -226,7 +228,7 @@ def test_strict_manifest_parsing(changes, message):
         (
             b'{"size":1.0,"sha256":"'
             + b"0" * 64
-            + b'","format":"lightning_delta.commit/2","kind":"base","prev_step":null}',
+            + b'","format":"lightning_delta.commit/3","kind":"base","prev_step":null,"signature":null}',
             "size must be int",
         ),
         (b"\xff\xfe", "malformed"),
@@ -372,3 +374,92 @@ def test_the_nesting_scan_of_escaped_quotes_ends():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+SEED = bytes(range(32))  # the golden key's seed: Ed25519 signatures are deterministic
+GOLDEN_SIGNER = "ed25519:03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8"
+GOLDEN_SIGNED_MANIFEST = (
+    b'{"created":1.5,"format":"lightning_delta.run/3","part_format":"lightning_delta/5",'
+    b'"ranks":[[[{"numel":2,"start":0,"tensor":0}]]],"run_id":"run","signature":"d67cfcbbecf769f0a64d9765c87bc5bd'
+    b"37fe790df132f9feb8d1abf5322c09523ba61d4ceb26a97e634228c8de6d021593b84d5e2ca5f7a7be074c2d6f2da80b"
+    b'","signer":"' + GOLDEN_SIGNER.encode() + b'","tensors":[{"dtype":"bfloat16","name":"w","shape":[2]}],'
+    b'"world_size":1}'
+)
+GOLDEN_MANIFEST_DIGEST = "584c270f795f3d7587e64dcf19944278e830da473f900231aa70f79ae9dcc0a1"
+GOLDEN_PART_STATEMENT = (
+    b'{"format":"lightning_delta.part-signature/1","kind":"delta","manifest":"'
+    + GOLDEN_MANIFEST_DIGEST.encode()
+    + b'",'
+    b'"prev_step":4,"rank":0,"run_id":"run","sha256":"' + b"ab" * 32 + b'","size":244,"step":5,"world_size":1}'
+)
+GOLDEN_PART_SIGNATURE = (
+    "3e063c1a30e0823fffc5bd28b7bb06b4125cb4171029691d50e033e4d9a8a1c9"
+    "2e56e40e3437de652e99e055b911ff1949b81342658fd277e85fa3fb0198190a"
+)
+GOLDEN_HEARTBEAT_STATEMENT = (
+    b'{"format":"lightning_delta.heartbeat/1","manifest":"' + GOLDEN_MANIFEST_DIGEST.encode() + b'",'
+    b'"run_id":"run","signature":null,"step":5,"time":1700000000.25}'
+)
+GOLDEN_HEARTBEAT_SIGNATURE = (
+    "18ae0d906405449d359b02ec2101876dd5b6ea1f864a7b59473032563106eaa5"
+    "572e019a49979de76793f96d423817e0e44d7e4cd93a497f02dbcd5bd2c9600e"
+)
+
+
+def test_golden_bytes_pin_what_is_signed():
+    """docs/FORMAT.md section 10: the signed bytes of a manifest, a marker and a heartbeat, and
+    their signatures by a fixed key.  A change here is a format change."""
+    import dataclasses
+
+    from lightning_delta.signing import PublicKey, SigningKey
+
+    key = SigningKey.from_seed(SEED)
+    assert key.public.text == GOLDEN_SIGNER
+    unsigned = fmt.RunManifest(
+        "run", 1, 1.5, (fmt.TensorSpec("w", "bfloat16", (2,)),), (((fmt.SliceSpec(0, 0, 2),),),), signer=GOLDEN_SIGNER
+    )
+    signed_bytes = fmt.run_signed_bytes(unsigned)
+    signature = GOLDEN_SIGNED_MANIFEST.split(b'"signature":"')[1][:128].decode()
+    assert signed_bytes == GOLDEN_SIGNED_MANIFEST.replace(signature.encode(), b"", 1).replace(b'""', b"null", 1)
+    assert key.sign(signed_bytes) == signature
+    manifest = dataclasses.replace(unsigned, signature=signature)
+    assert fmt.encode_manifest(manifest) == GOLDEN_SIGNED_MANIFEST
+    run = fmt.decode_manifest(GOLDEN_SIGNED_MANIFEST)
+    assert run.manifest == manifest and run.sha256 == GOLDEN_MANIFEST_DIGEST
+    marker = fmt.CommitMarker(244, "ab" * 32, fmt.Kind.DELTA, 4, signature=GOLDEN_PART_SIGNATURE)
+    statement = fmt.part_signed_bytes("run", run.sha256, fmt.PartPlace(5, 0, 1, False), marker)
+    assert statement == GOLDEN_PART_STATEMENT and key.sign(statement) == GOLDEN_PART_SIGNATURE
+    assert b'"kind":"bridge"' in fmt.part_signed_bytes("run", run.sha256, fmt.PartPlace(5, 0, 1, True), marker)
+    beat = fmt.Heartbeat("run", run.sha256, 5, 1_700_000_000.25)
+    assert fmt.heartbeat_signed_bytes(beat) == GOLDEN_HEARTBEAT_STATEMENT
+    assert key.sign(GOLDEN_HEARTBEAT_STATEMENT) == GOLDEN_HEARTBEAT_SIGNATURE
+    public = PublicKey(GOLDEN_SIGNER)
+    assert public.verify(GOLDEN_PART_SIGNATURE, GOLDEN_PART_STATEMENT)
+    assert not public.verify(GOLDEN_PART_SIGNATURE, GOLDEN_PART_STATEMENT.replace(b'"step":5', b'"step":6'))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"signer": "ed25519:" + "0" * 63}, "signer is not"),
+        ({"signer": "ed25519:" + "A" * 64}, "signer is not"),
+        ({"signature": "0" * 127}, "malformed signature"),
+        ({"signature": "0" * 256}, "malformed signature"),
+        ({"signature": None}, "a signer without a signature"),
+        ({"signer": None}, "a signer without a signature"),
+        ({"format": "lightning_delta.run/2"}, "a signature in a version 2 manifest"),
+    ],
+)
+def test_signature_fields_are_bounded(change, message):
+    raw = json.loads(GOLDEN_SIGNED_MANIFEST)
+    raw.update(change)
+    with pytest.raises(FormatError, match=message):
+        fmt.decode_manifest(json.dumps(raw, separators=(",", ":"), sort_keys=True).encode())
+    marker = {"format": "lightning_delta.commit/3", "kind": "base", "prev_step": None, "sha256": "0" * 64, "size": 1}
+    for bad in ("0" * 127, "0" * 129, "G" * 128, 7, ""):
+        with pytest.raises(FormatError):
+            fmt.decode_commit(json.dumps({**marker, "signature": bad}).encode())
+    v2 = {**marker, "format": "lightning_delta.commit/2"}
+    with pytest.raises(FormatError):
+        fmt.decode_commit(json.dumps({**v2, "signature": "0" * 128}).encode())
+    assert fmt.decode_commit(json.dumps(v2).encode()).signature is None

@@ -20,6 +20,46 @@ def test_damaged_stores_give_exact_weights_or_a_delta_error():
     assert counts["refused"] > 50 and counts["exact"] > 50, counts
 
 
+def test_damaged_signed_stores_with_their_key_give_exact_weights_or_a_delta_error():
+    """Signed chains loaded with the trainer's key, under the same damage plus signature-field
+    mutations: never a step that is not the trainer's."""
+    counts = fuzz.fuzz_store(120, seed=2, signed=True)
+    assert not any(counts[f] for f in fuzz.FAILURES), counts
+    assert counts["refused"] > 30 and counts["exact"] > 30, counts
+
+
+def test_the_signature_mutator_is_refused_with_keys(tmp_path):
+    """Each signature-field mutation of a signed chain is refused by a trusting loader (or leaves
+    the object as it was: a donor's signature may be the victim's own)."""
+    import random
+    from pathlib import Path
+
+    from lightning_delta import DeltaError, DeltaLoader, LoaderSettings
+    from lightning_delta.signing import keygen
+
+    keygen(tmp_path / "key")
+    pristine = tmp_path / "pristine"
+    truth = fuzz.build_chain(str(pristine), 0, str(tmp_path / "key"))
+    rng, refused = random.Random(3), 0
+    for trial in range(40):
+        root = tmp_path / f"t{trial}"
+        fuzz.shutil.copytree(pristine, root)
+        markers = [p for p in fuzz._objects(root) if p.name.endswith(".commit") and "000000000008" in str(p)]
+        markers += [root / "run.json"]
+        before = {p: p.read_bytes() for p in markers}
+        fuzz.mutate_signature(rng, markers)
+        changed = [p for p in markers if p.read_bytes() != before[p]]
+        loader = DeltaLoader(str(root), LoaderSettings(trusted_keys=(str(Path(tmp_path, "key.pub")),)))
+        try:
+            _, state = loader.state_dict(8)
+        except DeltaError:
+            refused += 1
+            continue
+        assert not changed, changed  # a mutated signature never loads
+        assert all(fuzz.torch.equal(state[k], v) for k, v in truth[8].items())
+    assert refused > 20
+
+
 def _raise(error: BaseException):
     raise error
 

@@ -115,3 +115,12 @@ def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_pat
     assert [int(r[0]) for r in vllm_rows] == [1, 2, 3, 4]
     assert all(float(r[6]) < 0.05 for r in vllm_rows)  # vLLM's kernels, not the trainer's: close, not equal
     assert [r[8:] for r in vllm_rows] == [r[8:] for r in hf_rows]  # the same greedy tokens
+
+
+def test_an_engine_with_trusted_keys_refuses_the_forgery(tmp_path):
+    """The issue's recipe against a signed chain: step 7 (every weight 7.0) refused with
+    `SignatureError` through vLLM's RPC; the engine keeps step 6, bit for bit."""
+    result = run("forgery", tmp_path, plain=True)
+    assert "6" not in result["errors"] and result["equal-after-6"]
+    assert "SignatureError" in result["errors"]["7"] or "signature" in result["errors"]["7"]
+    assert result["equal-after-7"] and result["version"] == "6"

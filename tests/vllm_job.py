@@ -13,6 +13,9 @@ step 3 is flipped (its marker re-signed, so only the value checksum can catch it
   the backend's back twice: where the next step changes it (the incremental check) and where it
   does not, before a base step (the full check).
 * serve: the same through `vllm serve` and its HTTP routes, on 127.0.0.1.
+* forgery: the chain signed by the trainer's key, and the issue's forgery (step 7, every weight
+  7.0, published elsewhere under the run's id by two ranks with another key, copied in): an engine
+  with `trusted_keys` takes step 6 and refuses step 7, keeping step 6's weights.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
 (the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test.
@@ -20,6 +23,7 @@ Whether the engine keeps its linear weights in checkpoint layout (written in pla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,7 +45,7 @@ STEPS, DAMAGED = 6, 3
 ENGINE = {"dtype": "bfloat16", "skip_tokenizer_init": True, "max_model_len": 128, "enforce_eager": True}
 
 
-def build(work: str) -> None:
+def build(work: str, key: str | None = None) -> None:
     """The model at step 0, the chain of steps 1-6 published by two trainer ranks (each its half of
     the weights) with step 3 damaged, and each step's weights in a folder a fresh engine loads."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,7 +63,7 @@ def build(work: str) -> None:
         num_key_value_heads=2,
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{work}/model")
-    torch.multiprocessing.spawn(publish, args=(work,), nprocs=2)
+    torch.multiprocessing.spawn(publish, args=(work, key), nprocs=2)
     store = Store(f"{work}/store")
     part, key = store.read_part(DAMAGED, 0, 2), fmt.blob_path(DAMAGED, 0, 2)
     blob = bytearray(store.objects.get(key) or b"")
@@ -70,7 +74,7 @@ def build(work: str) -> None:
     store.objects.put(fmt.commit_path(DAMAGED, 0, 2), records.dumps(signed))
 
 
-def publish(rank: int, work: str) -> None:
+def publish(rank: int, work: str, key: str | None = None) -> None:
     """One of the trainer's two ranks: every step moves 2% of the elements by one ULP."""
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -79,7 +83,8 @@ def publish(rank: int, work: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2)
     state = load_file(f"{work}/model/model.safetensors")
-    with DeltaPublisher(f"{work}/store", lambda: state, PublisherSettings(base_every=4)) as publisher:
+    settings = PublisherSettings(base_every=4, signing_key=key)
+    with DeltaPublisher(f"{work}/store", lambda: state, settings) as publisher:
         for step in range(1, STEPS + 1):
             g = torch.Generator().manual_seed(step)
             for name in sorted(state):
@@ -94,6 +99,58 @@ def publish(rank: int, work: str) -> None:
                 save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors")
     dist.destroy_process_group()
     jobs.end()
+
+
+def forge(rank: int, work: str, run_id: str) -> None:
+    """One of the forger's two ranks: the run's manifest copied elsewhere, step 7 published there
+    under the run's id (tooling that skips the signer check), every weight 7.0, another key."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from lightning_delta import DeltaPublisher, PublisherSettings
+    from lightning_delta import publisher as publisher_module
+
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-forge", rank=rank, world_size=2)
+    publisher_module._make_run = lambda store, run_id, *_: (run_id, store.run().sha256)  # type: ignore[assignment]
+    state = {k: torch.full_like(v, 7.0) for k, v in load_file(f"{work}/model/model.safetensors").items()}
+    settings = PublisherSettings(signing_key=f"{work}/attacker")
+    with DeltaPublisher(f"{work}/elsewhere", lambda: state, settings, run_id=run_id) as publisher:
+        publisher.publish(7)
+    dist.destroy_process_group()
+    jobs.end()
+
+
+def forgery(work: str) -> dict[str, Any]:
+    from vllm import LLM
+
+    from lightning_delta import Store
+    from lightning_delta import format as fmt
+
+    run_id = Store(f"{work}/store").run().run_id
+    os.makedirs(f"{work}/elsewhere")
+    shutil.copy(f"{work}/store/{fmt.RUN_MANIFEST}", f"{work}/elsewhere/")
+    torch.multiprocessing.spawn(forge, args=(work, run_id), nprocs=2)
+    shutil.copytree(f"{work}/elsewhere/{fmt.step_dir(7)}", f"{work}/store/{fmt.step_dir(7)}")
+    reference = LLM(model=f"{work}/step-6", **ENGINE, distributed_executor_backend="uni")
+    expected = logprobs(reference)
+    backend = {"backend": "lightning_delta"}
+    llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
+    info = {"url": f"{work}/store", "prefetch": False, "trusted_keys": [f"{work}/trainer.pub"]}
+    llm.init_weight_transfer_engine({"init_info": info})
+    result: dict[str, Any] = {"errors": {}}
+    for step in (6, 7):
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update(weight_version=str(step))
+        except Exception as err:
+            result["errors"][step] = str(err)[-400:]
+            with contextlib.suppress(Exception):  # closes the update where a worker kept it open
+                llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        result[f"equal-after-{step}"] = logprobs(llm) == expected
+    result["version"] = llm.get_weight_version()
+    return result
 
 
 def logprobs(llm: Any) -> list[Any]:
@@ -277,12 +334,21 @@ def _post(url: str, body: Any) -> tuple[int, Any]:
 def main() -> None:
     scenario, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
-    build(work)
+    key = None
+    if scenario == "forgery":
+        from lightning_delta.signing import keygen
+
+        keygen(f"{work}/trainer")
+        keygen(f"{work}/attacker")
+        key = f"{work}/trainer"
+    build(work, key)
     plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
     if scenario == "offline":
         result = offline(work, 1, plain)
     elif scenario == "offline-tp2":
         result = offline(work, 2, plain)
+    elif scenario == "forgery":
+        result = forgery(work)
     else:
         result = serve(work)
     with open(f"{work}/result.json", "w") as f:

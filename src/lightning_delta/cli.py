@@ -7,6 +7,10 @@
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
     lightning-delta mirror SRC DST [--follow] [--keep-bases K] [--dst-storage-options JSON]
+    lightning-delta keygen PATH                   # a signing key: PATH (private, 0600) and PATH.pub
+
+Every command that reads a chain takes `--trust PATH.pub` (repeatable): the run must then be signed
+by one of these keys, and anything unsigned or signed otherwise is a `SignatureError`.
 
 Every command takes `--json` and `--storage-options JSON` (fsspec options, e.g. an S3 endpoint;
 `AWS_ENDPOINT_URL` and fsspec's own config files work too).  Errors print one line and exit 2;
@@ -37,9 +41,10 @@ def open_run(args: argparse.Namespace) -> tuple[Store, Run]:
     """The store named on the command line and its run manifest; a prefix that holds no run is an
     error, so a typo in a URL never reads as an empty, healthy chain."""
     from .format import RUN_MANIFEST
+    from .signing import Trust
     from .store import Store
 
-    store = Store(args.store, args.storage_options)
+    store = Store(args.store, args.storage_options, trust=Trust.of(args.trust))
     manifest = store.manifest()
     if manifest is None:
         raise SnapshotNotFoundError(f"no lightning_delta run at {store.url} (no {RUN_MANIFEST} there)")
@@ -105,6 +110,10 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
                 f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
             )
+    store, run = open_run(args)
+    signer = run.manifest.signer
+    checked = "checked against --trust" if store.trust else "not checked: pass --trust KEY.pub"
+    print(f"run {run.run_id}: " + (f"signed by {signer} ({checked})" if signer else "unsigned"))
     return 0
 
 
@@ -263,6 +272,16 @@ def _mirror(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from .signing import keygen
+
+    key = keygen(args.path)
+    if args.json:
+        return _emit({"private": args.path, "public": args.path + ".pub", "key": key.public.text})
+    print(f"wrote {args.path} (private, mode 0600; give it to the trainer only) and {args.path}.pub: {key.public.text}")
+    return 0
+
+
 def _emit(value: Any) -> int:
     json.dump(value, sys.stdout, indent=2)
     print()
@@ -300,6 +319,13 @@ def parser() -> argparse.ArgumentParser:
             default={},
             metavar="JSON",
             help='fsspec options, e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'',
+        )
+        c.add_argument(
+            "--trust",
+            action="append",
+            default=[],
+            metavar="KEY.pub",
+            help="refuse the chain unless signed by this public key (a path or 'ed25519:...'); repeatable",
         )
         c.set_defaults(run=run)
         return c
@@ -341,6 +367,10 @@ def parser() -> argparse.ArgumentParser:
     )
     mirror.add_argument("--threads", type=int, default=8, help="objects copied at once")
     mirror.add_argument("--poll-seconds", type=float, default=1.0, help="seconds between passes with --follow")
+    keys = sub.add_parser("keygen", help="write a new Ed25519 signing key: PATH (private, 0600) and PATH.pub")
+    keys.add_argument("path", help="where the private key goes (it must not exist)")
+    keys.add_argument("--json", action="store_true", help="machine-readable output")
+    keys.set_defaults(run=_keygen)
     return p
 
 

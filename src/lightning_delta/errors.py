@@ -15,7 +15,9 @@ __all__ = [
     "MissingObjectError",
     "ModelMismatchError",
     "PublishError",
+    "SignatureError",
     "SnapshotNotFoundError",
+    "StaleChainError",
     "StoreError",
     "UnsupportedStrategyError",
 ]
@@ -49,6 +51,16 @@ class MissingObjectError(ChainError, FormatError):
         self.key = key or message
         """The missing object's key below the store's prefix (a worker of a group that learns of
         the error from another has only its message)."""
+
+
+class SignatureError(DeltaError, ValueError):
+    """An object of a chain is unsigned, signed by a key the reader does not trust, or its
+    signature does not bind what it claims (a part moved from another step, rank or run)."""
+
+
+class StaleChainError(DeltaError):
+    """The newest signed heartbeat is older than `max_heartbeat_age`: the store, or a mirror on the
+    way, withholds the trainer's newer steps, or the trainer stopped."""
 
 
 class StoreError(DeltaError, OSError):

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .errors import DeltaError, MissingObjectError, StoreError
+from .errors import DeltaError, MissingObjectError, SignatureError, StoreError
 from .patch import LoadReport, StepPatch
 
 __all__ = ["FollowSettings", "FollowedStep", "follow"]
@@ -153,7 +153,8 @@ class _End:
 
 
 _NONE, _TIMED_OUT, _STOPPED = -1, -2, -3  # decisions besides a step number
-_WAIT, _LOST, _BROKEN = 0, 1, 2  # a step that failed: not complete yet, missing too long, damaged
+# a step that failed: not complete yet, missing too long, damaged, not the trainer's (refused by signature)
+_WAIT, _LOST, _BROKEN, _FORGED = 0, 1, 2, 3
 
 
 class _Turn:
@@ -214,6 +215,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
         skipped: list[int] = []
         waiting: set[int] = set()  # listed steps found not complete yet since the last pause
         missing: dict[str, float] = {}  # an object found missing -> when it was first
+        forged: set[int] = set()  # refused by signature: passed over, never a reason to skip past
         idle_since, said = time.monotonic(), False
         handed_out = False
 
@@ -224,21 +226,24 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
 
         def attempt(step: int) -> StepPatch | DeltaError | None:
             """`step` prepared; None if an object it needs is not there yet; the error if the step
-            does not rebuild (damage).  A store that fails for good raises."""
+            does not rebuild (damage) or is not the trainer's (a `SignatureError`).  A store that
+            fails for good raises."""
             try:
                 return source.prepare(step, resync_missing=False)
             except StoreError:
                 raise
             except DeltaError as err:
                 error = err
-            verdict = _BROKEN
+            verdict = _FORGED if isinstance(error, SignatureError) else _BROKEN
             if isinstance(error, MissingObjectError):
                 verdict = _LOST if overdue(error) else _WAIT
             verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
             if verdict == _WAIT:
                 log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
                 return None
-            if verdict == _BROKEN:
+            if verdict == _FORGED and not isinstance(error, SignatureError):
+                return SignatureError(f"step {step} was refused by signature on worker 0 of the replica")
+            if verdict in (_BROKEN, _FORGED):
                 return error
             try:  # missing for too long: damage, which a base may still rebuild the step around
                 return source.prepare(step)
@@ -254,7 +259,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     idle_since, handed_out = time.monotonic(), False
                 decision: int | BaseException
                 try:
-                    listed = source.steps(after=last)
+                    listed = [s for s in source.steps(after=last) if s not in forged]
                     if not listed and last is None and not said:  # a follower started before its trainer
                         log.warning("following: no complete step yet, polling every %s s", settings.poll_seconds)
                         said = True
@@ -282,6 +287,11 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                 prepared = attempt(newest)
                 if prepared is None:
                     waiting.add(newest)
+                    continue
+                if isinstance(prepared, SignatureError):  # not the trainer's: the steps before it may still come
+                    log.warning("step %d refused, passing over it: %s", newest, prepared)
+                    skipped.append(newest)
+                    forged.add(newest)
                     continue
                 if isinstance(prepared, DeltaError):  # damage: wait for a step that rebuilds (the next base)
                     log.warning("step %d does not rebuild, waiting for a newer one: %s", newest, prepared)

@@ -15,6 +15,10 @@ is two objects (docs/FORMAT.md has the byte-level rules):
 At a base step after a rank's first, the rank also writes a *bridge*, `rank-...bridge.ldelta`: a
 delta against its previous part, so a reader that holds that part never downloads the base.
 
+A signed run (section 10 of docs/FORMAT.md) adds a `signer` and a `signature` to the manifest, a
+`signature` to every marker (over a `PartStatement`: the marker, its run and its place) and a
+`heartbeat.json`; this module says what each signature signs, `signing` signs and checks.
+
 Every JSON object goes through `records.loads`, so unknown or missing keys, wrong types and
 out-of-range numbers are all `FormatError`: a reader refuses foreign objects rather than guess.
 Every size a reader allocates for is bounded here, before anything is allocated.
@@ -22,6 +26,7 @@ Every size a reader allocates for is bounded here, before anything is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -29,7 +34,7 @@ import struct
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -49,13 +54,16 @@ __all__ = [
     "PART_FORMAT",
     "RUN_FORMAT",
     "RUN_MANIFEST",
+    "HEARTBEAT",
     "CommitMarker",
     "DType",
     "Kind",
     "Head",
+    "Heartbeat",
     "Part",
     "PartHeader",
     "PartName",
+    "PartPlace",
     "PartRef",
     "PayloadEntry",
     "Run",
@@ -65,28 +73,39 @@ __all__ = [
     "blob_path",
     "block_dir",
     "check_run_id",
+    "commit_marker",
     "commit_path",
     "decode_blob",
     "decode_commit",
     "decode_head",
+    "decode_heartbeat",
     "decode_manifest",
     "encode_blob",
     "encode_commit",
     "encode_manifest",
     "head_end",
+    "heartbeat_signed_bytes",
     "parse_block_name",
     "parse_part",
     "parse_part_name",
     "parse_step_name",
+    "part_signed_bytes",
+    "run_signed_bytes",
     "step_dir",
     "verify_blob",
 ]
 
 MAGIC = b"LDELTA\x00\x05"
 PART_FORMAT = "lightning_delta/5"
-COMMIT_FORMAT = "lightning_delta.commit/2"
-RUN_FORMAT = "lightning_delta.run/2"
+COMMIT_FORMAT = "lightning_delta.commit/3"
+RUN_FORMAT = "lightning_delta.run/3"
 RUN_MANIFEST = "run.json"
+HEARTBEAT = "heartbeat.json"
+HEARTBEAT_FORMAT = "lightning_delta.heartbeat/1"
+PART_SIGNATURE = "lightning_delta.part-signature/1"
+"""The `format` of the statement a commit marker's signature signs (section 10)."""
+_COMMIT_FORMAT_V2 = "lightning_delta.commit/2"  # before signatures: still read, as unsigned
+_RUN_FORMAT_V2 = "lightning_delta.run/2"
 
 MAX_HEADER_BYTES = 64 << 10
 """A part's JSON header is ~250 bytes; its payloads are listed in the binary table after it."""
@@ -110,6 +129,8 @@ _ENTRY = struct.Struct("<QQQ")  # a payload's length, changed elements, checksum
 _PART_NAME = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})(\.bridge)?\.ldelta\.commit")  # \d takes fullwidth digits
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_SIGNER = re.compile(r"ed25519:[0-9a-f]{64}")
+_SIGNATURE = re.compile(r"[0-9a-f]{128}")
 
 
 _TorchDType = torch.dtype  # named here: inside DType, `torch` is its property
@@ -216,10 +237,16 @@ class RunManifest:
     ranks: tuple[Layout, ...]  # per rank
     part_format: str = PART_FORMAT
     format: str = RUN_FORMAT
+    signer: str | None = None  # the public key that signs the run's manifest, markers and heartbeat
+    signature: str | None = None  # of `run_signed_bytes` by `signer`
 
     def check(self) -> None:
         """Section 3's rules: every tensor is tiled exactly by the slices of all ranks."""
-        _require(self.format == RUN_FORMAT, f"format {self.format!r}; this reader understands {RUN_FORMAT!r}")
+        _require(
+            self.format in (RUN_FORMAT, _RUN_FORMAT_V2),
+            f"format {self.format!r}; this reader understands {RUN_FORMAT!r} and {_RUN_FORMAT_V2!r}",
+        )
+        _check_signed(self.signer, self.signature, self.format == RUN_FORMAT)
         _require(self.part_format == PART_FORMAT, f"parts of format {self.part_format!r}, not {PART_FORMAT!r}")
         _require(bool(_RUN_ID.fullmatch(self.run_id)), f"run_id {self.run_id[:40]!r}")
         _require(1 <= self.world_size <= MAX_WORLD_SIZE, f"world_size {self.world_size}")
@@ -252,6 +279,26 @@ class RunManifest:
                 _require(start == end, f"{spec.name!r}: slices leave a gap or overlap at element {end}")
                 end += numel
             _require(end == spec.numel, f"{spec.name!r}: slices cover {end} of {spec.numel} elements")
+
+
+@dataclass(frozen=True)
+class _RunManifestV2:
+    """A run manifest of format version 2 (before signatures): read as an unsigned `RunManifest`."""
+
+    run_id: str
+    world_size: int
+    created: float
+    tensors: tuple[TensorSpec, ...]
+    ranks: tuple[Layout, ...]
+    part_format: str
+    format: str
+
+    def check(self) -> None:
+        _require(self.format == _RUN_FORMAT_V2, f"format {self.format!r}, expected {RUN_FORMAT!r}")
+        self.upgrade().check()
+
+    def upgrade(self) -> RunManifest:
+        return RunManifest(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
 @dataclass(frozen=True)
@@ -361,10 +408,20 @@ class PartRef:
     size: int  # bytes of its blob: what fetching it costs
     bridge: bool = False  # the delta written beside a base
     sha256: str = ""  # of its blob, from the marker: what the fetched bytes are checked against
+    signature: str | None = None  # the marker's (checked where the marker was read, if keys are trusted)
 
     @property
     def marker(self) -> CommitMarker:
-        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step)
+        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step, signature=self.signature)
+
+
+class PartPlace(NamedTuple):
+    """Where a commit marker was found: what its signature binds besides the marker's own fields."""
+
+    step: int
+    rank: int
+    world_size: int
+    bridge: bool
 
 
 @dataclass(frozen=True)
@@ -377,13 +434,81 @@ class CommitMarker:
     kind: Kind
     prev_step: int | None
     format: str = COMMIT_FORMAT
+    signature: str | None = None  # of `part_signed_bytes`, by the run's signer
 
     def check(self) -> None:
-        _require(self.format == COMMIT_FORMAT, f"format {self.format!r}, expected {COMMIT_FORMAT!r}")
+        _require(
+            self.format in (COMMIT_FORMAT, _COMMIT_FORMAT_V2),
+            f"format {self.format!r}, expected {COMMIT_FORMAT!r} (or {_COMMIT_FORMAT_V2!r})",
+        )
+        _require(self.signature is None or self.format == COMMIT_FORMAT, "a signature in a version 2 marker")
+        _require(self.signature is None or bool(_SIGNATURE.fullmatch(self.signature)), "malformed signature")
         _require(0 <= self.size <= MAX_OBJECT_BYTES, f"size {self.size}")
         _require(bool(_SHA256.fullmatch(self.sha256)), "sha256 is not 64 lower-case hex digits")
         _require((self.kind == Kind.BASE) == (self.prev_step is None), f"a {self.kind.value} with prev_step")
         _require(self.prev_step is None or 0 <= self.prev_step <= MAX_STEP, f"prev_step {self.prev_step}")
+
+
+@dataclass(frozen=True)
+class _CommitMarkerV2:
+    """A commit marker of format version 2 (before signatures): read as an unsigned `CommitMarker`."""
+
+    size: int
+    sha256: str
+    kind: Kind
+    prev_step: int | None
+    format: str
+
+    def check(self) -> None:
+        _require(self.format == _COMMIT_FORMAT_V2, f"format {self.format!r}, expected {COMMIT_FORMAT!r}")
+        self.upgrade().check()
+
+    def upgrade(self) -> CommitMarker:
+        return CommitMarker(self.size, self.sha256, self.kind, self.prev_step, self.format)
+
+
+@dataclass(frozen=True)
+class PartStatement:
+    """What a commit marker's signature signs (section 10): the marker, and where it belongs."""
+
+    run_id: str
+    manifest: str  # SHA-256 of `run.json`'s bytes (the signed manifest, signature included)
+    step: int
+    rank: int
+    world_size: int
+    kind: str  # "base", "delta" or "bridge"
+    prev_step: int | None
+    size: int
+    sha256: str
+    format: str = PART_SIGNATURE
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """`heartbeat.json`, rewritten on a cadence by rank 0 of a signed run: the trainer was alive at
+    `time` and had committed `step` (None: none yet), so a follower tells "no new step yet" from
+    "new steps withheld" (TUF's timestamp role)."""
+
+    run_id: str
+    manifest: str
+    step: int | None
+    time: float  # unix seconds
+    signature: str | None = None  # of `heartbeat_signed_bytes` by the run's signer
+    format: str = HEARTBEAT_FORMAT
+
+    def check(self) -> None:
+        _require(self.format == HEARTBEAT_FORMAT, f"format {self.format!r}, expected {HEARTBEAT_FORMAT!r}")
+        _require(bool(_RUN_ID.fullmatch(self.run_id)), f"run_id {self.run_id[:40]!r}")
+        _require(bool(_SHA256.fullmatch(self.manifest)), "manifest is not 64 lower-case hex digits")
+        _require(self.step is None or 0 <= self.step <= MAX_STEP, f"step {self.step}")
+        _require(self.signature is None or bool(_SIGNATURE.fullmatch(self.signature)), "malformed signature")
+
+
+def _check_signed(signer: str | None, signature: str | None, may_sign: bool) -> None:
+    _require((signer is None) == (signature is None), "a signer without a signature, or a signature without one")
+    _require(signer is None or may_sign, "a signature in a version 2 manifest")
+    _require(signer is None or bool(_SIGNER.fullmatch(signer)), "signer is not 'ed25519:' and 64 hex digits")
+    _require(signature is None or bool(_SIGNATURE.fullmatch(signature)), "malformed signature")
 
 
 def check_run_id(run_id: str) -> str:
@@ -559,12 +684,17 @@ def parse_part(blob: bytes | memoryview, ref: PartRef, rank: int, run: Run) -> P
 # ----------------------------------------------------------------------------- commit and run
 
 
+def commit_marker(blob: bytes, header: PartHeader) -> CommitMarker:
+    """The (unsigned) commit marker of a blob with this header."""
+    return CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), header.kind, header.prev_step)
+
+
 def encode_commit(blob: bytes, header: PartHeader) -> bytes:
-    return records.dumps(CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), header.kind, header.prev_step))
+    return records.dumps(commit_marker(blob, header))
 
 
 def decode_commit(marker: bytes) -> CommitMarker:
-    return records.loads(marker, CommitMarker, what="commit marker", max_bytes=MAX_MARKER_BYTES)
+    return _either(marker, CommitMarker, _CommitMarkerV2, what="commit marker", max_bytes=MAX_MARKER_BYTES)
 
 
 def verify_blob(blob: bytes | memoryview, marker: CommitMarker) -> None:
@@ -580,5 +710,62 @@ def encode_manifest(manifest: RunManifest) -> bytes:
 
 
 def decode_manifest(data: bytes) -> Run:
-    manifest = records.loads(data, RunManifest, what="run manifest", max_bytes=MAX_MANIFEST_BYTES)
+    manifest = _either(data, RunManifest, _RunManifestV2, what="run manifest", max_bytes=MAX_MANIFEST_BYTES)
+    if manifest.signature is not None and records.dumps(manifest) != data:
+        raise FormatError("a signed run manifest must be stored in its canonical encoding (section 10)")
     return Run(manifest, hashlib.sha256(data).hexdigest())
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    beat = records.loads(data, Heartbeat, what="heartbeat", max_bytes=MAX_MARKER_BYTES)
+    if beat.signature is not None and records.dumps(beat) != data:
+        raise FormatError("a signed heartbeat must be stored in its canonical encoding (section 10)")
+    return beat
+
+
+_Record = TypeVar("_Record", RunManifest, CommitMarker)
+
+
+def _either(data: bytes, cls: type[_Record], legacy: type[Any], *, what: str, max_bytes: int) -> _Record:
+    """`data` as a `cls` record, or as the `legacy` version 2 record (upgraded, unsigned); the error
+    is the current version's, unless the object has the legacy version's keys."""
+    try:
+        return records.loads(data, cls, what=what, max_bytes=max_bytes)
+    except FormatError as err:
+        try:
+            upgraded: _Record = records.loads(data, legacy, what=what, max_bytes=max_bytes).upgrade()
+        except FormatError as old:
+            keys = "must hold exactly the keys"
+            raise (old if keys in str(err) and keys not in str(old) else err) from None
+        return upgraded
+
+
+# ----------------------------------------------------------------------------- signed bytes
+
+
+def run_signed_bytes(manifest: RunManifest) -> bytes:
+    """What the run's signature signs: the canonical encoding of the manifest with `signature` null."""
+    return records.dumps(dataclasses.replace(manifest, signature=None))
+
+
+def part_signed_bytes(run_id: str, manifest: str, place: PartPlace, marker: CommitMarker) -> bytes:
+    """What a commit marker's signature signs: the canonical encoding of its `PartStatement`."""
+    kind = "bridge" if place.bridge else marker.kind.value
+    return records.dumps(
+        PartStatement(
+            run_id,
+            manifest,
+            place.step,
+            place.rank,
+            place.world_size,
+            kind,
+            marker.prev_step,
+            marker.size,
+            marker.sha256,
+        )
+    )
+
+
+def heartbeat_signed_bytes(beat: Heartbeat) -> bytes:
+    """What a heartbeat's signature signs: its canonical encoding with `signature` null."""
+    return records.dumps(dataclasses.replace(beat, signature=None))

@@ -27,12 +27,21 @@ from torch import Tensor, nn
 
 from . import format as fmt
 from . import patch as patches
-from .errors import ChecksumError, DeltaError, FormatError, MissingObjectError, SnapshotNotFoundError, StoreError
+from .errors import (
+    ChecksumError,
+    DeltaError,
+    FormatError,
+    MissingObjectError,
+    SnapshotNotFoundError,
+    StaleChainError,
+    StoreError,
+)
 from .follow import FollowedStep, FollowSettings, follow
 from .patch import LoadReport, RankPatch, RankState, StepPatch
 from .reader import ChainReader
 from .records import enum_member
 from .replica import exchange, exchange_bytes, group_device
+from .signing import Trust
 from .sinks import HeldCopies, ModuleSink, Sink
 from .store import Store, as_store
 
@@ -65,9 +74,21 @@ class LoaderSettings:
     """The cadence of the full rehash of the held state."""
     progress: bool = False
     """A progress bar while a step is fetched from a base (first load, re-sync)."""
+    trusted_keys: tuple[str, ...] = ()
+    """Public keys (paths of `.pub` files, or their text `ed25519:...`) a run must be signed by: the
+    manifest, every marker and the heartbeat are checked as they are read, and anything else is
+    refused with `SignatureError` before a byte of its payloads is decoded.  Empty: unchecked."""
+    max_heartbeat_age: float | None = None
+    """Warn when the run's newest heartbeat is older than this many seconds (or missing): the store,
+    or a mirror on the way, may be withholding new steps.  None: the heartbeat is not read."""
+    refuse_stale: bool = False
+    """With `max_heartbeat_age`: raise `StaleChainError` instead of warning."""
 
     def __post_init__(self) -> None:
         self.full_check = enum_member(FullCheck, self.full_check)
+        self.trusted_keys = tuple(str(k) for k in self.trusted_keys)  # a config's list
+        if self.max_heartbeat_age is not None and self.max_heartbeat_age <= 0:
+            raise ValueError(f"max_heartbeat_age must be > 0 or None, got {self.max_heartbeat_age}")
 
 
 class DeltaLoader:
@@ -91,7 +112,7 @@ class DeltaLoader:
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings or LoaderSettings()
-        self.store = as_store(store, storage_options)
+        self.store = as_store(store, storage_options, trust=Trust.of(self.settings.trusted_keys))
         self.device = _resolve(torch.device(self.settings.device))
         self.group = process_group
         self._group_device = group_device(process_group, self.device) if process_group is not None else None
@@ -101,12 +122,55 @@ class DeltaLoader:
         self._generation = 0  # advances with every write, so a step decoded before it is never written
         self._lock = threading.Lock()  # guards the held state; decoding only reads it
         self.last_report: LoadReport | None = None
+        self._stale = False  # warned about the heartbeat, until it is fine again
+        self._behind_since: float | None = None  # since when the heartbeat names a step not seen here
 
     # ------------------------------------------------------------------ public
 
     def steps(self, after: int | None = None) -> list[int]:
-        """Steps whose every rank part is committed, ascending; with `after`, only later ones."""
-        return self._reader.steps(after)
+        """Steps whose every rank part is committed, ascending; with `after`, only later ones.
+
+        With `max_heartbeat_age`, the heartbeat is checked too (every poll of a follower)."""
+        found = self._reader.steps(after)
+        if self.settings.max_heartbeat_age is not None:
+            self.check_heartbeat(self.settings.max_heartbeat_age, found[-1] if found else after)
+        return found
+
+    def check_heartbeat(self, max_age: float, newest: int | None = None) -> float | None:
+        """The age in seconds of the run's newest heartbeat (checked against the trusted keys), None
+        if there is none.  Warns, or with `refuse_stale` raises `StaleChainError`, if it is older
+        than `max_age` or missing (a frozen store), or if the step it names has stayed newer than
+        `newest`, the newest complete step seen here, for longer than `max_age` (steps withheld
+        while the heartbeat is relayed)."""
+        beat = self.store.heartbeat() if self.store.manifest() is not None else None
+        age = None if beat is None else time.time() - beat.time
+        problem = "no heartbeat" if age is None else f"the newest heartbeat is {age:.1f} s old"
+        if beat is not None and age is not None and age <= max_age:
+            problem = ""
+            if beat.step is not None and beat.step > (-1 if newest is None else newest):
+                if self._behind_since is None:
+                    self._behind_since = time.monotonic()
+                waited = time.monotonic() - self._behind_since
+                if waited > max_age:
+                    problem = (
+                        f"the heartbeat names step {beat.step}, but for {waited:.1f} s the newest complete "
+                        f"step seen here is {newest}"
+                    )
+            else:
+                self._behind_since = None
+        if not problem:
+            self._stale = False
+            return age
+        what = (
+            f"{self.store.url}: {problem} (max_heartbeat_age {max_age} s): the store, or a mirror on the way, "
+            "may be withholding the trainer's newer steps, or the trainer stopped"
+        )
+        if self.settings.refuse_stale:
+            raise StaleChainError(what)
+        if not self._stale:
+            log.warning("%s", what)
+            self._stale = True
+        return age
 
     @property
     def held_step(self) -> int | None:
@@ -190,7 +254,7 @@ class DeltaLoader:
             return step
         newest: int | BaseException
         try:
-            steps = self._reader.steps()
+            steps = self.steps()  # with `max_heartbeat_age`, the newest is checked for freshness
             newest = steps[-1] if steps else -1
         except DeltaError as err:
             newest = err

@@ -46,6 +46,7 @@ from .records import enum_member
 from .replica import exchange_bytes, group_device
 from .retention import collect
 from .shards import OwnedSlice, check_readable, named_tensors, plan, read_slice
+from .signing import SigningKey
 from .store import Store, as_store
 
 __all__ = [
@@ -87,6 +88,13 @@ class PublisherSettings:
     keep_bases: int | None = None
     """Retention: rank 0 deletes the steps older than the `keep_bases`-th newest complete base
     after each base it commits (`retention.collect`); None keeps every step."""
+    signing_key: str | None = None
+    """Path of the Ed25519 private key (`lightning-delta keygen`) that signs the run manifest, every
+    commit marker and the heartbeat, so that followers holding its `.pub` load only this trainer's
+    weights; never written to the chain.  None publishes an unsigned chain."""
+    heartbeat_seconds: float = 10.0
+    """With `signing_key`: rank 0 rewrites the signed heartbeat (newest step, time) this often, and
+    after each commit, so followers tell a quiet trainer from withheld steps."""
 
     def __post_init__(self) -> None:
         try:
@@ -107,6 +115,8 @@ class PublisherSettings:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.keep_bases is not None and self.keep_bases < 1:
             raise ValueError(f"keep_bases must be >= 1 or None, got {self.keep_bases}")
+        if self.heartbeat_seconds <= 0:
+            raise ValueError(f"heartbeat_seconds must be > 0, got {self.heartbeat_seconds}")
 
 
 @dataclass(frozen=True)
@@ -267,13 +277,18 @@ class DeltaPublisher:
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         layout: _RankLayout | BaseException
+        self._key: SigningKey | None = None
         try:
+            if settings.signing_key is not None:
+                self._key = SigningKey.load(settings.signing_key)
             described = _described(self._source())
             self._specs = _grouped(plan(dict(described), self.rank, self.world_size), described)
             layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
         except (UnsupportedStrategyError, ValueError) as err:
             layout = err
-        self.run_id, self._manifest = _claim(self.store, run_id, layout, settings.dtype, self.rank, process_group)
+        self.run_id, self._manifest = _claim(
+            self.store, run_id, layout, settings.dtype, self.rank, process_group, self._key
+        )
         self._shapes = {s.name: s.shape for group in self._specs for s in group}
         self._numel = sum(s.numel for group in self._specs for s in group)
         self._cache: list[_Group] | None = None
@@ -295,6 +310,12 @@ class DeltaPublisher:
             threading.Thread(target=self._encode_loop, name="delta-encode", daemon=True),
             threading.Thread(target=self._commit_loop, name="delta-upload", daemon=True),
         ]
+        self._committed: int | None = self._last_step  # rank 0's newest committed step: the heartbeat's
+        self._beat_due, self._beat_stop = threading.Event(), False
+        self._heart: threading.Thread | None = None
+        if self._key is not None and self.rank == 0:
+            self._heart = threading.Thread(target=self._beat_loop, args=(self._key,), name="delta-beat", daemon=True)
+            self._heart.start()
         for worker in self._workers:
             worker.start()
 
@@ -428,6 +449,12 @@ class DeltaPublisher:
             self._jobs.put(None)
         for worker in self._workers:
             worker.join()
+        if self._heart is not None and self._heart.is_alive():
+            self._beat_stop = True
+            self._beat_due.set()
+            self._heart.join()
+            assert self._key is not None
+            self._beat(self._key)
         self._pool.shutdown()
         self._raise_worker_error()
 
@@ -451,6 +478,21 @@ class DeltaPublisher:
             raise PublishError(f"uploading to {self.store.url} failed: {error}") from error
 
     # ------------------------------------------------------------------ worker threads
+
+    def _beat_loop(self, key: SigningKey) -> None:
+        """Rank 0's heartbeat: now, after each commit and every `heartbeat_seconds` (`close` writes
+        the last one, once every step is committed)."""
+        while not self._beat_stop:
+            self._beat(key)
+            self._beat_due.wait(self.settings.heartbeat_seconds)
+            self._beat_due.clear()
+
+    def _beat(self, key: SigningKey) -> None:
+        beat = fmt.Heartbeat(self.run_id, self._manifest, self._committed, time.time())
+        try:
+            self.store.beat(beat, key)
+        except Exception as err:  # a missed beat is not a failed step; followers see its age
+            log.warning("heartbeat to %s failed: %s", self.store.url, err)
 
     def _encode_loop(self) -> None:
         """Stage one: pack, copy to the host, compress; blobs go to the commit stage in order."""
@@ -520,7 +562,11 @@ class DeltaPublisher:
         stored = 0
         for blob, bridge in ((item.bridge, True), (item.part, False)):
             if blob is not None and (with_bridge or not bridge):
-                stored += self.store.commit_part(blob.header, blob.data, bridge=bridge)
+                stored += self.store.commit_part(
+                    blob.header, blob.data, bridge=bridge, signer=self._key, run_id=self.run_id
+                )
+        self._committed = header.step
+        self._beat_due.set()
         keep = self.settings.keep_bases
         if keep and self.rank == 0 and header.kind == fmt.Kind.BASE:
             collect(self.store, keep)  # only once a newer base is complete on every rank
@@ -634,6 +680,7 @@ def _claim(
     dtype: DType,
     rank: int,
     group: dist.ProcessGroup | None,
+    key: SigningKey | None,
 ) -> tuple[str, str]:
     """(run id, manifest SHA-256) all ranks publish under, once rank 0 made the prefix this run's.
 
@@ -659,7 +706,7 @@ def _claim(
                 [[(name, tuple(shape), start, numel) for name, shape, start, numel in payload] for payload in layout]
                 for layout in map(json.loads, gathered)
             ]
-            outcome = " ".join(_make_run(store, run_id, layouts, dtype)).encode()
+            outcome = " ".join(_make_run(store, run_id, layouts, dtype, key)).encode()
         except Exception as err:  # a store that cannot be written, a layout that does not fit
             outcome = err if isinstance(err, DeltaError) else PublishError(f"claiming {store.url} failed: {err}")
     if collective:
@@ -672,7 +719,9 @@ def _claim(
     return wanted, digest
 
 
-def _make_run(store: Store, run_id: str | None, layouts: list[_RankLayout], dtype: DType) -> tuple[str, str]:
+def _make_run(
+    store: Store, run_id: str | None, layouts: list[_RankLayout], dtype: DType, key: SigningKey | None
+) -> tuple[str, str]:
     """Rank 0's half of `_claim`: the run's id and manifest digest, or a `PublishError` naming why
     this model cannot publish to this prefix."""
     wanted = run_id if run_id is not None else uuid.uuid4().hex
@@ -681,6 +730,10 @@ def _make_run(store: Store, run_id: str | None, layouts: list[_RankLayout], dtyp
         manifest.check()
     except ValueError as err:
         raise PublishError(f"this model cannot be published as one run: {err}") from None
+    signer = None if key is None else key.public.text
+    if key is not None:
+        manifest = replace(manifest, signer=signer)
+        manifest = replace(manifest, signature=key.sign(fmt.run_signed_bytes(manifest)))
     found = store.claim(manifest)
     if found.run_id != wanted:
         raise PublishError(
@@ -689,6 +742,12 @@ def _make_run(store: Store, run_id: str | None, layouts: list[_RankLayout], dtyp
         )
     if found.world_size != len(layouts):
         raise PublishError(f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {len(layouts)}")
+    if found.manifest.signer != signer:
+        said = f"signed by {found.manifest.signer}" if found.manifest.signer else "unsigned"
+        raise PublishError(
+            f"run {wanted} in {store.url} is {said}; this publisher's signing_key is "
+            f"{signer or 'not set'}: a run keeps its signer (rotate keys with a new run)"
+        )
     if (found.manifest.tensors, found.manifest.ranks) != (manifest.tensors, manifest.ranks):
         raise PublishError(
             f"run {wanted} in {store.url} was published with another layout (tensor names, shapes, "

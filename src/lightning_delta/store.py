@@ -9,10 +9,15 @@ Names found by listing are hints: only those that match their exact pattern coun
 object is read with a bound (its marker's size, or the format's cap for JSON objects), so a
 damaged or hostile store costs at most what the run's own objects would.  Every object is parsed
 by `format`, the one parser; this module only says where objects are and what counts.
+
+With a `Trust` (the reader's trusted keys), the run manifest, every commit marker and the heartbeat
+are checked here, as they are read, so every reading path gets the check from this one place and
+a part's bytes are fetched only by the SHA-256 of a marker its run's trainer signed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import defaultdict
@@ -20,9 +25,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from . import format as fmt
+from . import records
 from .errors import ChainError, ChecksumError, ConflictError, FormatError, MissingObjectError, SnapshotNotFoundError
 from .format import PartRef
 from .objects import FsspecObjects, ObjectStore
+from .signing import SigningKey, Trust
 
 __all__ = ["Store", "as_store"]
 
@@ -34,7 +41,11 @@ T = TypeVar("T")
 class Store:
     """The chain below one prefix: a fsspec URL (a local path works) or any `ObjectStore`."""
 
-    def __init__(self, url: str | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str | ObjectStore, storage_options: Mapping[str, Any] | None = None, *, trust: Trust | None = None
+    ) -> None:
+        self.trust = trust
+        """The keys a run's signer must be among; None reads signed and unsigned chains unchecked."""
         if isinstance(url, str):
             self.objects: ObjectStore = FsspecObjects(url, storage_options)
         elif storage_options:
@@ -68,16 +79,30 @@ class Store:
 
     # ------------------------------------------------------------------ commit protocol
 
-    def commit_part(self, header: fmt.PartHeader, blob: bytes, *, bridge: bool = False) -> int:
-        """Publish one rank's part: the blob first, then the marker that makes it count; returns
-        the bytes written (blob and marker).
+    def commit_part(
+        self,
+        header: fmt.PartHeader,
+        blob: bytes,
+        *,
+        bridge: bool = False,
+        signer: SigningKey | None = None,
+        run_id: str | None = None,
+    ) -> int:
+        """Publish one rank's part: the blob first, then the marker that makes it count, signed by
+        `signer` for run `run_id` if given; returns the bytes written (blob and marker).
 
         Both are created exclusively, so two publishers can never interleave one chain: the
         second to reach a step gets `ConflictError` and the first one's part stays intact.
         """
         where = (header.step, header.rank, header.world_size)
         key = fmt.blob_path(*where, bridge=bridge)
-        marker = fmt.encode_commit(blob, header)
+        record = fmt.commit_marker(blob, header)
+        if signer is not None:
+            if run_id is None:
+                raise ValueError("a signed marker binds its run: pass run_id with signer")
+            signed = fmt.part_signed_bytes(run_id, header.manifest, fmt.PartPlace(*where, bridge), record)
+            record = dataclasses.replace(record, signature=signer.sign(signed))
+        marker = records.dumps(record)
         if not (self.objects.create(key, blob) and self.objects.create(fmt.commit_path(*where, bridge=bridge), marker)):
             raise ConflictError(
                 f"{self.url}/{key} already exists: another publisher wrote this step of the chain; "
@@ -93,7 +118,10 @@ class Store:
         It is never rewritten, so once read it is kept.
         """
         if self._run is None:
-            self._run = self._read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES, fmt.decode_manifest)
+            run = self._read(fmt.RUN_MANIFEST, fmt.MAX_MANIFEST_BYTES, fmt.decode_manifest)
+            if run is not None and self.trust is not None:
+                self.trust.check_run(run, f"{self.url}/{fmt.RUN_MANIFEST}")
+            self._run = run
         return self._run
 
     def run(self) -> fmt.Run:
@@ -113,6 +141,18 @@ class Store:
             self._run = fmt.decode_manifest(data)
             return self._run
         return self.run()  # created exclusively, never deleted
+
+    def beat(self, heartbeat: fmt.Heartbeat, key: SigningKey) -> None:
+        """Rewrite the heartbeat, signed by `key` (readers see the old one or the new one whole)."""
+        signed = dataclasses.replace(heartbeat, signature=key.sign(fmt.heartbeat_signed_bytes(heartbeat)))
+        self.objects.put(fmt.HEARTBEAT, records.dumps(signed))
+
+    def heartbeat(self) -> fmt.Heartbeat | None:
+        """The run's newest heartbeat (checked against the trusted keys, if any); None if there is none."""
+        beat = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES, fmt.decode_heartbeat)
+        if beat is not None and self.trust is not None:
+            self.trust.check_heartbeat(self.run(), beat, f"{self.url}/{fmt.HEARTBEAT}")
+        return beat
 
     # ------------------------------------------------------------------ listing
 
@@ -163,6 +203,9 @@ class Store:
             raise SnapshotNotFoundError(f"{self.url}/{where} does not exist: the part is not committed")
         if marker.prev_step is not None and marker.prev_step >= step:
             raise FormatError(f"{self.url}/{where}: a delta at step {step} against the later step {marker.prev_step}")
+        if self.trust is not None:
+            place = fmt.PartPlace(step, rank, world_size, bridge)
+            self.trust.check_part(self.run(), marker, place, f"{self.url}/{where}")
         return marker
 
     def part_refs(self, step: int, rank: int, world_size: int) -> list[PartRef]:
@@ -239,13 +282,18 @@ def _step_in(name: str, block: int) -> int | None:
 
 
 def _ref(step: int, marker: fmt.CommitMarker, *, bridge: bool) -> PartRef:
-    return PartRef(step, marker.kind, marker.prev_step, marker.size, bridge, marker.sha256)
+    return PartRef(step, marker.kind, marker.prev_step, marker.size, bridge, marker.sha256, marker.signature)
 
 
-def as_store(store: str | Store, storage_options: Mapping[str, Any] | None = None) -> Store:
-    """Accept a URL or an existing Store wherever a store is expected."""
+def as_store(
+    store: str | Store, storage_options: Mapping[str, Any] | None = None, *, trust: Trust | None = None
+) -> Store:
+    """Accept a URL or an existing Store wherever a store is expected; with `trust`, a Store that
+    checks signatures against it (over the same objects, if `store` trusts other keys or none)."""
     if isinstance(store, Store):
         if storage_options:
             raise ValueError("storage_options apply to a URL, not to an existing Store")
+        if trust is not None and store.trust != trust:
+            return Store(store.objects, trust=trust)
         return store
-    return Store(store, storage_options)
+    return Store(store, storage_options, trust=trust)

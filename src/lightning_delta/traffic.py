@@ -8,6 +8,7 @@ A reader's bytes are those `DeltaLoader` moves: for each rank, the markers it re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ __all__ = ["ReaderCost", "marker_bytes", "reader_bytes", "stored_bytes", "window
 
 def marker_bytes(ref: PartRef) -> int:
     """The size of the commit marker this library writes for `ref`."""
-    return len(records.dumps(fmt.CommitMarker(ref.size, ref.sha256 or "0" * 64, ref.kind, ref.prev_step)))
+    return len(records.dumps(dataclasses.replace(ref.marker, sha256=ref.sha256 or "0" * 64)))
 
 
 def reader_bytes(target: int, held: int | None, parts_at: Callable[[int], Sequence[PartRef]]) -> int:

@@ -44,6 +44,7 @@ from .errors import DeltaError
 from .loader import FullCheck
 from .patch import LoadReport
 from .records import enum_member
+from .signing import Trust
 from .store import Store
 from .viewmap import ViewMap
 
@@ -94,6 +95,8 @@ class DeltaInitInfo(WeightTransferInitInfo):
     `update_weights` only writes it."""
     poll_seconds: float = 1.0
     """How often the prefetcher looks for a newer step."""
+    trusted_keys: list[str] = field(default_factory=list)
+    """Public keys (paths or `ed25519:...` text) the run must be signed by (`LoaderSettings.trusted_keys`)."""
 
 
 @dataclass
@@ -128,7 +131,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         if tp.world_size > 1:  # a group of our own: a prefetching thread never shares vLLM's
             group = dist.new_group(ranks=tp.ranks, backend="gloo", use_local_synchronization=True)
         self._last = tp.rank_in_group == tp.world_size - 1
-        store = Store(init_info.url, init_info.storage_options)
+        store = Store(init_info.url, init_info.storage_options, trust=Trust.of(init_info.trusted_keys))
         specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
         params = dict(self.model.named_parameters())
         with set_current_vllm_config(self.vllm_config):
