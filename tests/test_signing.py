@@ -732,3 +732,31 @@ def test_a_private_key_readable_by_others_is_warned_about(tmp_path, caplog):
     with pytest.raises(FileExistsError):
         keygen(tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_mirror_needs_no_key_and_with_keys_copies_only_the_trainers_steps(tmp_path, keys):
+    """A mirror without keys relays the signatures and the heartbeat: a trusting follower of the
+    mirror loads every step.  Given the trainer's key, a mirror refuses a run signed by another
+    key, and never copies a forged part (it stops at that step, as at damage)."""
+    from lightning_delta import Mirror
+
+    real, plain, checked = (str(tmp_path / n) for n in ("real", "plain", "checked"))
+    run_id, truth = publish(real, [1, 2, 3, 4], keys["trainer"])
+    strict = trusting("trainer", keys=keys)
+    with Mirror(real, plain) as mirror:
+        mirror.sync()
+    assert _read(plain, fmt.HEARTBEAT) == _read(real, fmt.HEARTBEAT)  # relayed as the trainer signed it
+    assert Store(plain, trust=Trust.of([keys["trainer"] + ".pub"])).heartbeat() is not None
+    for step in (1, 2, 3, 4):
+        assert_state(DeltaLoader(plain, strict).state_dict(step)[1], truth[step])
+
+    forge(tmp_path, real, run_id, 5, keys["attacker"])
+    trust = Trust.of([keys["trainer"] + ".pub"])
+    with Mirror(real, checked, trust=trust) as mirror:
+        metrics = mirror.sync()
+    assert metrics.mirror_step == 4 and metrics.stopped_at is not None and "steps/" in metrics.stopped_at
+    assert not (Path(checked) / fmt.step_dir(5)).exists()  # the forged part was never copied
+    assert DeltaLoader(checked, strict).steps() == [1, 2, 3, 4]
+    with Mirror(real, str(tmp_path / "other"), trust=Trust.of([keys["attacker"] + ".pub"])) as mirror:
+        with pytest.raises(SignatureError, match="not among"):
+            mirror.sync()

@@ -6,7 +6,7 @@
     lightning-delta materialize STORE --step N OUT_DIR --config MODEL_DIR  # a from_pretrained folder
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
     lightning-delta gc STORE --keep-bases K [--dry-run]
-    lightning-delta mirror SRC DST [--follow] [--keep-bases K] [--dst-storage-options JSON]
+    lightning-delta mirror SRC DST [--follow] [--keep-bases K] [--dst-storage-options JSON] [--trust KEY.pub]
     lightning-delta keygen PATH                   # a signing key: PATH (private, 0600) and PATH.pub
 
 Every command that reads a chain takes `--trust PATH.pub` (repeatable): the run must then be signed
@@ -248,10 +248,11 @@ def _mirror(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from .mirror import Mirror, MirrorSettings
+    from .signing import Trust
 
     settings = MirrorSettings(keep_bases=args.keep_bases, threads=args.threads, poll_seconds=args.poll_seconds)
     options = {"source_options": args.storage_options, "destination_options": args.dst_storage_options}
-    with Mirror(args.store, args.destination, settings, **options) as mirror:
+    with Mirror(args.store, args.destination, settings, **options, trust=Trust.of(args.trust)) as mirror:
         if not args.follow:
             metrics = mirror.sync()
             if not mirror.has_run:

@@ -10,6 +10,12 @@ and only missing ones are written, so a mirror killed at any moment resumes wher
 object already at the mirror must be identical.  Each source object is read once (a damaged one
 again until it heals).  A damaged source object is never copied: the mirror stops at its step,
 says which object, and goes on once the source heals, or from a newer base that does not need it.
+
+A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
+region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
+what they would refuse (an unsigned or foreign run; a part whose signature does not bind it, which
+it never copies) and relays the trainer's signed heartbeat, so a follower of a mirror that stopped
+can tell steps withheld from no new step yet.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from . import format as fmt
-from .errors import ChecksumError, ConflictError, FormatError
+from .errors import ChecksumError, ConflictError, FormatError, SignatureError
 from .retention import cutoff, delete_steps
+from .signing import Trust
 from .store import Store, as_store
 
 __all__ = ["RUN_OBJECTS", "Mirror", "MirrorMetrics", "MirrorSettings"]
@@ -33,7 +40,8 @@ log = logging.getLogger(__name__)
 
 RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
 """The run-level objects a mirror copies before any step, the manifest first (it says whose run a
-prefix holds); each is copied as it is, created exclusively."""
+prefix holds); each is copied as it is, created exclusively.  The heartbeat, rewritten by the
+trainer, is relayed after each pass instead."""
 
 
 @dataclass
@@ -132,6 +140,8 @@ class Mirror:
             destination is a source like any other: home -> region -> zone).
         settings: retention, concurrency, polling.
         source_options, destination_options: fsspec storage options of each side.
+        trust: the trainer's public keys, if the mirror should refuse what followers would (it
+            copies signatures through either way).
     """
 
     def __init__(
@@ -142,9 +152,10 @@ class Mirror:
         *,
         source_options: Mapping[str, Any] | None = None,
         destination_options: Mapping[str, Any] | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.settings = settings or MirrorSettings()
-        self.source = as_store(source, source_options)
+        self.source = as_store(source, source_options, trust=trust)
         self.destination = as_store(destination, destination_options)
         self.metrics = MirrorMetrics()
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix="delta-mirror")
@@ -158,6 +169,8 @@ class Mirror:
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
+        self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
+        self._heartbeat: bytes | None = None  # the heartbeat relayed last
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -204,6 +217,7 @@ class Mirror:
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
         stopped, mirrored_base = self._copy(pending, names, complete, world)
         self._retain(listed, mirrored_base)
+        self._relay_heartbeat()
         self._update(listed, complete, stopped)
         with self._lock:
             return replace(self.metrics)
@@ -217,6 +231,8 @@ class Mirror:
         if data is None:  # no run yet (or a replicated source that has not received its manifest)
             return None
         run = fmt.decode_manifest(data)
+        if self.source.trust is not None:  # a run the followers would refuse is not mirrored
+            self.source.trust.check_run(run, f"{self.source.url}/{fmt.RUN_MANIFEST}")
         held = self.destination.objects.get(fmt.RUN_MANIFEST, 0, fmt.MAX_MANIFEST_BYTES + 1)
         if held is not None:
             self._same_run(held, data, run)
@@ -231,7 +247,7 @@ class Mirror:
                     self._write(key, data, run=run)
             elif (found := self._read(key, fmt.MAX_MANIFEST_BYTES)) is not None:
                 self._write(key, found)
-        self._world = run.world_size
+        self._run, self._world = run, run.world_size
         return self._world
 
     def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
@@ -331,7 +347,11 @@ class Mirror:
                 return _Stop(part.marker_key, "is not at the source", damaged=False)
         try:
             marker = fmt.decode_commit(data)
-        except FormatError as err:
+            if self.source.trust is not None:
+                assert self._run is not None  # claimed before any step
+                place = fmt.PartPlace(part.step, part.rank, part.world_size, part.bridge)
+                self.source.trust.check_part(self._run, marker, place, f"{self.source.url}/{part.marker_key}")
+        except (FormatError, SignatureError) as err:
             return _Stop(part.marker_key, str(err), damaged=True)
         with self._lock:
             self._markers[part.marker_key] = data
@@ -383,6 +403,29 @@ class Mirror:
             self._same_run(self.destination.objects.get(key, 0, fmt.MAX_MANIFEST_BYTES + 1), data, run)
         else:
             self._same(key, data)
+
+    def _relay_heartbeat(self) -> None:
+        """Rewrite the mirror's heartbeat with the source's, if it changed (checked first, given
+        trusted keys: a forged heartbeat would hide steps withheld)."""
+        data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
+        if data is None or data == self._heartbeat:
+            return
+        if self.source.trust is not None:
+            assert self._run is not None
+            try:
+                self.source.trust.check_heartbeat(
+                    self._run, fmt.decode_heartbeat(data), f"{self.source.url}/{fmt.HEARTBEAT}"
+                )
+            except (FormatError, SignatureError) as err:
+                if fmt.HEARTBEAT not in self._said:
+                    self._said.add(fmt.HEARTBEAT)
+                    log.warning("%s: not relaying %s/%s: %s", self, self.source.url, fmt.HEARTBEAT, err)
+                return
+        self.destination.objects.put(fmt.HEARTBEAT, data)
+        self._heartbeat = data
+        with self._lock:
+            self.metrics.objects_copied += 1
+            self.metrics.bytes_copied += len(data)
 
     def _same(self, key: str, data: bytes) -> None:
         found = self.destination.objects.get(key, 0, len(data) + 1)
