@@ -757,6 +757,6 @@ def test_a_mirror_needs_no_key_and_with_keys_copies_only_the_trainers_steps(tmp_
     assert metrics.mirror_step == 4 and metrics.stopped_at is not None and "steps/" in metrics.stopped_at
     assert not (Path(checked) / fmt.step_dir(5)).exists()  # the forged part was never copied
     assert DeltaLoader(checked, strict).steps() == [1, 2, 3, 4]
-    with Mirror(real, str(tmp_path / "other"), trust=Trust.of([keys["attacker"] + ".pub"])) as mirror:
-        with pytest.raises(SignatureError, match="not among"):
-            mirror.sync()
+    foreign = Mirror(real, str(tmp_path / "other"), trust=Trust.of([keys["attacker"] + ".pub"]))
+    with foreign, pytest.raises(SignatureError, match="not among"):
+        foreign.sync()
