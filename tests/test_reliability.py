@@ -133,6 +133,21 @@ def test_a_foreign_part_is_a_chain_error_and_verify_names_it(store_url, other_ru
     assert "step 6: ChainError" in out and "foreign part" in out and "step 5:" not in out
 
 
+def test_parts_whose_links_do_not_meet_are_a_chain_error_not_a_skipped_step(store_url):
+    """The chain link a replica's worker checks in the parts another worker fetched for it: each
+    part's `prev_step` is the step of the part before it, or the parts are refused."""
+    from lightning_delta.reader import ChainReader
+
+    published_run(store_url, 4, base_every=10)
+    store = Store(store_url)
+    refs = [store.part_refs(step, 0, 1)[0] for step in (1, 2, 4)]  # 3 left out: 4 applies to 3
+    blobs = [store.read_object(ref, 0, 1) for ref in refs]
+    reader = ChainReader(store)
+    assert [p.header.step for p in reader.parse(refs[:2], blobs[:2], 0)] == [1, 2]
+    with pytest.raises(ChainError, match="step 4 does not follow step 2"):
+        reader.parse(refs, blobs, 0)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 
