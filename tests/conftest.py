@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -63,6 +65,34 @@ def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor])
     assert state.keys() == truth.keys()
     for name in truth:
         assert bitwise_equal(state[name], truth[name]), name
+
+
+class Verdict(enum.Enum):
+    """What became of a damaged payload: each is a guarantee kept; a wrong tensor with the
+    trainer's checksum is none of them."""
+
+    REFUSED = "a FormatError"
+    SAME = "the very same bits (a bit the format ignores)"
+    CAUGHT = "other bits, which the trainer's value checksum tells apart"
+
+
+def verdict(decode: Callable[[], Tensor], truth: Tensor) -> Verdict:
+    """Decode a damaged payload: refused, the same tensor, or one the value checksum catches;
+    fails the test on anything else (another exception, another shape or dtype, or a wrong tensor
+    whose checksum is the trainer's)."""
+    from lightning_delta import FormatError
+    from lightning_delta.checksum import checksum
+
+    try:
+        out = decode()
+    except FormatError:
+        return Verdict.REFUSED
+    assert out.shape == truth.shape and out.dtype == truth.dtype
+    if bitwise_equal(out, truth):
+        return Verdict.SAME
+    bits = out.reshape(-1).view(torch.int16)
+    assert checksum(bits) != checksum(truth.reshape(-1).view(torch.int16)), "wrong values, the trainer's checksum"
+    return Verdict.CAUGHT
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -6,6 +6,7 @@ stateful property test at the end drives random call sequences over a damaged ch
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kill_job
-from conftest import assert_state, bf16_state, published_run, replace_blob
+from conftest import Verdict, assert_state, bf16_state, published_run, replace_blob, verdict
 from fuzz import _rle_bomb
 from lightning_delta import (
     ChainError,
@@ -175,18 +176,21 @@ def test_a_zstd_frame_never_sizes_its_own_output(frame):
         codec.decode(None, payload, numel=1024, dtype=torch.bfloat16)
 
 
-def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
-    old = torch.zeros(1024, dtype=torch.bfloat16)
-    payload = bytearray(codec.encode(None, old))
+@pytest.mark.parametrize("kind", ["zeros", "random"])
+def test_one_flipped_bit_in_a_small_payload_is_refused_or_caught_by_the_checksum(kind):
+    """Every single-bit flip of a whole payload: a `FormatError`, the same bits, or values the
+    trainer's checksum tells apart; both checks are reached."""
+    truth = torch.zeros(1024) if kind == "zeros" else torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    truth = truth.to(torch.bfloat16)
+    payload = bytearray(codec.encode(None, truth))
+    seen = []
     for i in range(len(payload) * 8):
         payload[i // 8] ^= 1 << (i % 8)
-        try:
-            out = codec.decode(None, bytes(payload), numel=1024, dtype=torch.bfloat16)
-        except FormatError:
-            pass
-        else:  # a flip the format cannot see (a padding bit, a mantissa byte): the checksum does
-            assert out.numel() == 1024
+        decode = functools.partial(codec.decode, None, bytes(payload), numel=1024, dtype=torch.bfloat16)
+        seen.append(verdict(decode, truth))
         payload[i // 8] ^= 1 << (i % 8)
+    assert Verdict.REFUSED in seen and Verdict.CAUGHT in seen
+    assert seen.count(Verdict.SAME) < 0.01 * len(seen)
 
 
 def test_a_payload_never_decodes_to_a_dtype_nobody_asked_for():
