@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib.util
 import logging
 import os
 import signal
@@ -24,6 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.py) is shared with the tests
 
 from tinylm import TinyLM  # noqa: E402
+
+
+def needs(*packages: str) -> None:
+    """At the top of a test module that needs packages of the `test` extra: skip the module where
+    one is missing (a partial local install), but fail it where `CI` is set, since CI installs the
+    extra and a broken install must never pass as skipped tests (`pytest.importorskip` would)."""
+    absent = [p for p in packages if importlib.util.find_spec(p) is None]
+    if not absent:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{', '.join(absent)} missing under CI, which installs the test extra: the install is broken")
+    pytest.skip(f"needs {', '.join(absent)}: pip install -e '.[test]'", allow_module_level=True)
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bf16_state, bitwise_equal
+from conftest import bf16_state, bitwise_equal, needs
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, ModelMismatchError, PublisherSettings
 from lightning_delta.shards import named_tensors
 from tinylm import tiny_llama
 
-pytest.importorskip("transformers")
+needs("transformers")
 
 
 class Policy(torch.nn.Module):
