@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -459,10 +460,22 @@ def _job(*args: str) -> subprocess.Popen:
     return proc
 
 
-def _kill_at_random(proc: subprocess.Popen, rng: random.Random, seconds: float) -> None:
-    time.sleep(rng.uniform(0, seconds))  # a random moment of the work: what is asserted holds at any
-    proc.kill()
+def _kill_at_random(proc: subprocess.Popen, rng: random.Random, seconds: float, *, may_finish: bool = False) -> None:
+    """Kill the job at a random moment of its work (what is asserted holds at any); a job that
+    ended on its own (crashed, or finished where `may_finish`) is no kill."""
+    time.sleep(rng.uniform(0, seconds))
+    if proc.poll() is None:
+        proc.kill()
     proc.wait()
+    ended = {-signal.SIGKILL, 0} if may_finish else {-signal.SIGKILL}
+    assert proc.returncode in ended, f"the job ended on its own ({proc.returncode}): {proc.stderr.read()[-3000:]}"
+
+
+def _committed(proc: subprocess.Popen) -> int:
+    """Wait for a publisher job's first step to be committed; that step."""
+    line = proc.stdout.readline()
+    assert line.startswith("committed "), f"{line!r}: {proc.stderr.read()[-3000:]}"
+    return int(line.split()[1])
 
 
 def _assert_listed_steps_exact(url: str) -> list[int]:
@@ -477,17 +490,29 @@ def _assert_listed_steps_exact(url: str) -> list[int]:
 @pytest.mark.slow
 def test_publishers_killed_at_random_moments_leave_only_exact_steps_and_resume(tmp_path):
     """8 kills: a fresh run killed, then its resumption killed, four times (scripts/fuzz.py and
-    the other tests here cover the same ground at scale)."""
+    the other tests here cover the same ground at scale).  In the first two trials a kill may land
+    anywhere, before the first commit too; in the last two, after each run's first step is
+    committed: that step and the resumed run's first are listed, and exact."""
     rng = random.Random(0)
     for trial in range(4):
+        synced = trial >= 2
         url = str(tmp_path / f"run-{trial}")
-        _kill_at_random(_job("publish", url, "1"), rng, 1.5)
-        _assert_listed_steps_exact(url)
+        job = _job("publish", url, "1")
+        if synced:
+            assert _committed(job) == 1
+        _kill_at_random(job, rng, 1.5)
+        listed = _assert_listed_steps_exact(url)
+        assert not synced or listed[0] == 1
         store = Store(url)
         first = max(store.published_steps(), default=0) + 1  # past whatever the kill left behind
-        _kill_at_random(_job("publish", url, str(first), store.manifest().run_id), rng, 1.5)
+        manifest = store.manifest()
+        job = _job("publish", url, str(first), *([manifest.run_id] if manifest else []))
+        if synced:
+            assert _committed(job) == first
+        _kill_at_random(job, rng, 1.5)
         listed = _assert_listed_steps_exact(url)
         assert not listed or listed[0] == 1
+        assert not synced or first in listed  # the resumed run published, and its steps rebuild
 
 
 @pytest.mark.slow
@@ -503,7 +528,7 @@ def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(t
     for trial in range(5):
         url = str(tmp_path / f"gc-{trial}")
         shutil.copytree(source, url)
-        _kill_at_random(_job("gc", url), rng, 1.2)
+        _kill_at_random(_job("gc", url), rng, 1.2, may_finish=True)
         listed = _assert_listed_steps_exact(url)
         assert listed[-5:] == [36, 37, 38, 39, 40]
         cut.append(len(listed))
