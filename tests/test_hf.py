@@ -139,7 +139,8 @@ def test_a_peft_lora_policy_is_published_merged(tmp_path):
     for step in loader.steps():
         assert_state(loader.state_dict(step)[1], truth.states[step])
     replica = tiny_llama()  # a plain base model, as a rollout engine holds it
-    loader.apply_to(replica)
+    assert loader.apply_to(replica) == 4
+    assert_state(bf16_state(replica), truth.states[4])  # the merged policy, under the base model's names
 
 
 def test_a_peft_model_it_cannot_merge_is_refused_with_the_way_out():
