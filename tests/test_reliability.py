@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kill_job
 from conftest import Verdict, assert_state, bf16_state, published_run, replace_blob, verdict
+from forge import MESSAGE, forge_value
 from fuzz import _rle_bomb
 from lightning_delta import (
     ChainError,
@@ -71,6 +72,7 @@ def flip_header(blob: bytearray) -> bytearray:
 
 DAMAGE: dict[str, Callable[[Store, int, Path], None]] = {
     "payload bit, marker re-signed": lambda s, step, _: rewrite(s, step, flip_payload, resign=True),
+    "one value, marker re-signed": lambda s, step, _: forge_value(s, step),  # only the value checksum sees it
     "header bit": lambda s, step, _: rewrite(s, step, flip_header, resign=False),
     "truncated": lambda s, step, _: rewrite(s, step, lambda b: b[:-7], resign=False),
     "blob deleted": lambda s, step, _: s.objects.delete([fmt.blob_path(step, 0, 1)]),
@@ -324,8 +326,10 @@ def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp
 # ----------------------------------------------------------------------------- any order of calls
 
 STEPS, BASE_EVERY = 12, 4  # bases at 1, 5, 9
-DAMAGED = {3: "payload bit, marker re-signed", 6: "part of another run", 10: "truncated"}
-LOADABLE = {1, 2, 5, 9}  # every other step's chain passes a damaged part
+DAMAGED = {3: "one value, marker re-signed", 6: "part of another run", 10: "truncated"}
+LOADABLE = {1, 2, 5, 9}  # every other step's chain passes a damaged part, and fails with its error:
+REFUSED = {3: ChecksumError, 4: ChecksumError, 6: ChainError, 7: ChainError, 8: ChainError}
+REFUSED |= {10: FormatError, 11: FormatError, 12: FormatError}
 
 
 @pytest.fixture(scope="module")
@@ -344,8 +348,10 @@ def test_the_damaged_chain_loads_exactly_where_it_should(damaged_chain):
         if step in LOADABLE:
             assert_state(loader.state_dict(step)[1], truth[step])
         else:
-            with pytest.raises((ChainError, ChecksumError, FormatError)):
+            with pytest.raises(REFUSED[step]) as refused:
                 loader.state_dict(step)
+            assert type(refused.value) is REFUSED[step]
+            assert REFUSED[step] is not ChecksumError or MESSAGE in str(refused.value)
 
 
 class LoaderCalls(RuleBasedStateMachine):
