@@ -69,6 +69,14 @@ MUTANTS = (
         ("tests/test_engine.py::-k only_its_checksum and update and walk",),
     ),
     Mutant(
+        "engine-composed-checksum",
+        "a chain composed on a whole payload (a re-sync from a base) is checked by the trainer's checksum",
+        "engine.py",
+        "                    if partials is not None and moved != entry.checksum:\n",
+        "                    if False:\n",
+        ("tests/test_engine.py::-k only_its_checksum and update and torch",),
+    ),
+    Mutant(
         "engine-undo",
         "a walk that fails takes back everything it wrote: the engine holds the step it held",
         "engine.py",
