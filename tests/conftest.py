@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import enum
 import hashlib
+import importlib.util
 import logging
 import os
 import signal
@@ -8,6 +10,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -22,6 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.py) is shared with the tests
 
 from tinylm import TinyLM  # noqa: E402
+
+
+def needs(*packages: str) -> None:
+    """At the top of a test module that needs packages of the `test` extra: skip the module where
+    one is missing (a partial local install), but fail it where `CI` is set, since CI installs the
+    extra and a broken install must never pass as skipped tests (`pytest.importorskip` would)."""
+    absent = [p for p in packages if importlib.util.find_spec(p) is None]
+    if not absent:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{', '.join(absent)} missing under CI, which installs the test extra: the install is broken")
+    pytest.skip(f"needs {', '.join(absent)}: pip install -e '.[test]'", allow_module_level=True)
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -63,6 +78,34 @@ def assert_state(state: dict[str, torch.Tensor], truth: dict[str, torch.Tensor])
     assert state.keys() == truth.keys()
     for name in truth:
         assert bitwise_equal(state[name], truth[name]), name
+
+
+class Verdict(enum.Enum):
+    """What became of a damaged payload: each is a guarantee kept; a wrong tensor with the
+    trainer's checksum is none of them."""
+
+    REFUSED = "a FormatError"
+    SAME = "the very same bits (a bit the format ignores)"
+    CAUGHT = "other bits, which the trainer's value checksum tells apart"
+
+
+def verdict(decode: Callable[[], Tensor], truth: Tensor) -> Verdict:
+    """Decode a damaged payload: refused, the same tensor, or one the value checksum catches;
+    fails the test on anything else (another exception, another shape or dtype, or a wrong tensor
+    whose checksum is the trainer's)."""
+    from lightning_delta import FormatError
+    from lightning_delta.checksum import checksum
+
+    try:
+        out = decode()
+    except FormatError:
+        return Verdict.REFUSED
+    assert out.shape == truth.shape and out.dtype == truth.dtype
+    if bitwise_equal(out, truth):
+        return Verdict.SAME
+    bits = out.reshape(-1).view(torch.int16)
+    assert checksum(bits) != checksum(truth.reshape(-1).view(torch.int16)), "wrong values, the trainer's checksum"
+    return Verdict.CAUGHT
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:

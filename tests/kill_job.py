@@ -4,8 +4,9 @@
     python tests/kill_job.py gc URL                        # collects with a slowed store until done
 
 Each prints "ready" once it is about to touch the store, so a test can kill it at a random
-moment of the work itself.  The weights are a pure function of the step (`states`), so a
-test knows the truth of every step without talking to this process.
+moment of the work itself; a publisher also prints "committed FIRST" once its first step is.
+The weights are a pure function of the step (`states`), so a test knows the truth of every step
+without talking to this process.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def main() -> None:
         evolve(tensors, earlier)
     with DeltaPublisher(url, lambda: tensors, PublisherSettings(base_every=BASE_EVERY), run_id=run_id) as publisher:
         print("ready", flush=True)
+        first = step
         while True:
             evolve(tensors, step)
             publisher.publish(step)
+            if step == first:  # a moment a test can wait for: from here on a kill meets committed steps
+                publisher.flush()
+                print(f"committed {step}", flush=True)
             step += 1
 
 

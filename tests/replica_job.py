@@ -8,7 +8,8 @@ half of the objects, and follow the chain together.  Then each binds a module of
 (`modules`): a patch worker 1 cannot reproduce from its module is refused by both workers before
 either writes, and both follow with the same catch-up decisions although worker 1 lists fewer
 steps.  Each writes OUT/rank-R.json: what it fetched, and whether every tensor it rebuilt equals
-its own trainer state bit for bit.
+its own trainer state bit for bit.  Last, one value of step 7 is forged (tests/forge.py) and both
+workers must refuse it by the trainer's checksum.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import jobs
+from forge import forge_value
 from lightning_delta import (
     DeltaLoader,
     DeltaPublisher,
@@ -126,6 +128,20 @@ def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) ->
     return report
 
 
+def forged(store: str, rank: int) -> list[str]:
+    """One value of trainer rank 0's part of step 7 changed under a re-signed marker
+    (tests/forge.py): both workers raise the trainer's checksum's error, whichever decoded it."""
+    dist.barrier()  # every earlier read is done
+    if rank == 0:
+        forge_value(Store(store), 7, 0, 2)
+    dist.barrier()
+    try:
+        DeltaLoader(store, process_group=dist.group.WORLD).state_dict(7)
+    except Exception as err:
+        return [type(err).__name__, str(err)]
+    return ["ok", ""]
+
+
 def main() -> None:
     store, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -163,6 +179,7 @@ def main() -> None:
         report["followed_exact"].append(exact(followed.tensors, truth[followed.step]))
         break
     report["modules"] = modules(store, truth, rank)
+    report["forged"] = forged(store, rank)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

@@ -115,12 +115,19 @@ def test_metrics_reach_the_trainer_loggers(tmp_path):
     )
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    changed = [float(r["delta/changed_fraction"]) for r in rows if r.get("delta/changed_fraction")]
-    assert len(changed) == 4 and changed[0] == 1.0 and all(0 <= c <= 1 for c in changed)  # step 2 is a base
-    published = [float(r["delta/last_published_step"]) for r in rows if r.get("delta/last_published_step")]
-    assert published == sorted(published) and published[-1] <= 8
-    ratios = [float(r["delta/compression_ratio"]) for r in rows if r.get("delta/compression_ratio")]
-    assert all(ratio > 1 for ratio in ratios)
+    # what each step's row says is what the store holds: the changed fraction of its part (bases
+    # at 2 and 6), the last step uploaded by then, and the compression of what was uploaded
+    parts = Store(store)
+    numel = parts.run().numel(0)
+    changed = {s: sum(e.changed for e in parts.read_part(s, 0, 1).entries) / numel for s in (2, 4, 6, 8)}
+    logged = {int(r["step"]): float(r["delta/changed_fraction"]) for r in rows if r.get("delta/changed_fraction")}
+    assert logged == changed and changed[2] == changed[6] == 1.0 and 0 < changed[4] < 1 and 0 < changed[8] < 1
+    uploads = [r for r in rows if r.get("delta/last_published_step")]
+    assert uploads and all(float(r["delta/last_published_step"]) in changed for r in uploads)
+    for r in uploads:
+        assert float(r["delta/last_published_step"]) <= int(r["step"])
+        stored = float(r["delta/stored_bytes"])
+        assert float(r["delta/compression_ratio"]) == pytest.approx(2 * numel / stored) and stored > 0
 
 
 class AutoLM(pl.LightningModule):

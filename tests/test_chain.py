@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
 
 from conftest import HookedObjects, assert_state, bf16_state, published_run, replace_blob, train
+from forge import MESSAGE, forge_value
 from lightning_delta import (
     Backlog,
     ChecksumError,
@@ -109,11 +109,10 @@ def test_corrupt_step_leaves_the_module_and_loader_untouched(store_url):
 def test_a_bound_module_is_the_held_state_and_takes_only_the_changes(store_url):
     truth = published_run(store_url, 7, base_every=10)
     loader, replica = DeltaLoader(store_url), TinyLM()
-    storage = {name: t.data_ptr() for name, t in bf16_state(replica).items()}
+    pointers = {name: t.data_ptr() for name, t in named_tensors(replica).items()}  # the module's own tensors
     loader.apply_to(replica, step=1)
     numel = sum(t.numel() for t in truth[1].values())
     assert loader.last_report.changed == numel  # the first write: everything, from the base
-    pointers = {name: t.data_ptr() for name, t in named_tensors(replica).items()}
     store = Store(store_url)
     changed = {s: sum(e.changed for e in store.read_part(s, 0, 1).entries) for s in range(2, 7)}
     for step in (2, 3, 6):  # 4 and 5 on the way to 6 are composed into one patch
@@ -121,11 +120,12 @@ def test_a_bound_module_is_the_held_state_and_takes_only_the_changes(store_url):
         assert_state(bf16_state(replica), truth[step])
         written = loader.last_report.changed  # only the changes are written
         assert written == changed[step] if step < 6 else changed[6] <= written <= sum(changed[s] for s in (4, 5, 6))
-    assert {name: t.data_ptr() for name, t in named_tensors(replica).items()} == pointers  # in place
-    assert storage  # (the module's own tensors, never replaced)
+    assert {name: t.data_ptr() for name, t in named_tensors(replica).items()} == pointers  # in place, never replaced
     step, tensors = loader.state_dict(7)  # copies of the module plus the patch; the module stays at 6
     assert step == 7 and loader.held_step == 6
-    assert_state(tensors, truth[7]) and assert_state(bf16_state(replica), truth[6])
+    assert_state(tensors, truth[7])
+    assert_state(bf16_state(replica), truth[6])
+    assert all(t.data_ptr() not in pointers.values() for t in tensors.values())  # copies, not the module's
 
 
 @pytest.mark.parametrize("cadence", list(FullCheck))
@@ -161,20 +161,29 @@ def test_a_weight_changed_behind_the_loaders_back_is_caught_at_the_full_checks_c
         loader.verify()  # on demand
 
 
-def test_a_payload_only_its_checksum_can_catch_leaves_the_held_step_intact(store_url):
-    truth = published_run(store_url, 3, base_every=10)
+@pytest.mark.parametrize("forged", [3, 4], ids=["delta", "base"])
+def test_a_payload_only_its_checksum_can_catch_leaves_the_held_step_intact(store_url, forged):
+    """One value changed in a part that decodes cleanly under a re-signed marker (tests/forge.py):
+    the loader's copies and a bound module both refuse it by the trainer's checksum.  A loader
+    that holds step 2 reads the delta at 3 (and the bridge at 4); one that holds nothing, the
+    base at 4."""
+    truth = published_run(store_url, 4, base_every=3)  # bases at 1 and 4
+    forge_value(Store(store_url), forged)
+    held = [1, 2] if forged == 3 else []
     loader = DeltaLoader(store_url)
-    loader.state_dict(1)
-    loader.state_dict(2)  # step 1's buffers are now the spare ones
-    store = Store(store_url)
-    # A payload that only its own checksum can catch: the blob's SHA-256 is made to match.
-    last = store.read_part(3, 0, 1).entries[-1]
-    blob = bytearray(store.objects.get(fmt.blob_path(3, 0, 1)))
-    blob[len(blob) - last.length // 2] ^= 0x01
-    replace_blob(store, 3, 0, 1, bytes(blob))
-    with pytest.raises((ChecksumError, FormatError)):
-        loader.state_dict(3)
+    for step in held:
+        loader.state_dict(step)  # step 1's buffers are now the spare ones
+    with pytest.raises(ChecksumError, match=f"step {forged}: payload 0 .*{MESSAGE}"):
+        loader.state_dict(forged)
     assert_state(loader.state_dict(2)[1], truth[2])
+    bound, replica = DeltaLoader(store_url), TinyLM()
+    for step in held:
+        bound.apply_to(replica, step=step)
+    before = bf16_state(replica)
+    with pytest.raises(ChecksumError, match=f"step {forged}: payload 0 .*{MESSAGE}"):
+        bound.apply_to(replica, step=forged)
+    assert bound.held_step == (held[-1] if held else None)
+    assert_state(bf16_state(replica), before)
 
 
 def test_apply_to_refuses_a_different_model(store_url):
@@ -255,13 +264,47 @@ def test_coalescing_skips_steps_instead_of_waiting_and_keeps_the_chain_exact(sto
         assert_state(loader.state_dict(step)[1], truth[step])
 
 
-def test_blocking_backlog_publishes_every_step(store_url):
+def test_blocking_backlog_publishes_every_step(store_url, monkeypatch):
+    """Uploads stall until the training loop has waited on the full upload queue (watched where
+    `publish` puts a snapshot into it; under COALESCE it would skip steps and end first): then
+    every step is published, exactly."""
+    gate, turn, done = threading.Event(), threading.Event(), threading.Event()
+
+    def stall(key: str) -> None:
+        if key != fmt.RUN_MANIFEST:
+            assert gate.wait(120), "the uploads were never let through"
+
     torch.manual_seed(0)
     model = TinyLM()
-    slow = HookedObjects(store_url, lambda key: time.sleep(0.01))
-    with DeltaPublisher(Store(slow), model, PublisherSettings(backlog=Backlog.BLOCK, max_pending=1)) as pub:
-        train(pub, model, 6)
-    assert DeltaLoader(store_url).steps() == list(range(1, 7))
+    settings = PublisherSettings(backlog=Backlog.BLOCK, max_pending=1)
+    pub = DeltaPublisher(Store(HookedObjects(store_url, stall)), model, settings)
+    jobs, put = pub._jobs, pub._jobs.put
+
+    def watched(item, *args, **kwargs):
+        if jobs.full():  # the trainer is about to wait for the queue
+            turn.set()
+        return put(item, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "put", watched)
+    truth = {}
+
+    def training() -> None:
+        truth.update(train(pub, model, 8))  # more steps than the stalled pipeline holds
+        done.set()
+        turn.set()
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    assert turn.wait(120)
+    assert not done.is_set(), "the training loop went on past a full upload queue"
+    gate.set()
+    thread.join()
+    pub.close()
+    assert pub.skipped == 0
+    loader = DeltaLoader(store_url)
+    assert loader.steps() == list(range(1, 9))
+    for step in range(1, 9):
+        assert_state(loader.state_dict(step)[1], truth[step])
 
 
 class Failing:
@@ -405,13 +448,15 @@ def test_a_late_joiner_reads_one_base_and_the_deltas_after_it(store_url):
     assert loader.last_report.parts_read == 4 and 0 < markers < 5 * 200
 
 
-def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url):
-    """A bridge would link to a part that was never committed: the next base comes alone."""
+@pytest.mark.parametrize("base_every", [2, 100], ids=["base-due", "base-not-due"])
+def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url, base_every):
+    """A bridge would link to a part that was never committed: the next base comes alone, whether
+    it was due (bases at 1, 3) or is one only because the upload of step 2 failed."""
     store = Failing(fail_from=10**9)
     tensors = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
     truth = {}
     objects = Store(HookedObjects(store_url, store))
-    with DeltaPublisher(objects, lambda: tensors, PublisherSettings(base_every=2)) as pub:  # bases 1, 3, 5
+    with DeltaPublisher(objects, lambda: tensors, PublisherSettings(base_every=base_every)) as pub:
         for step in (1, 2, 3, 4):
             tensors["w"][step * 10] += 1
             truth[step] = tensors["w"].clone()
@@ -422,7 +467,8 @@ def test_after_a_failed_upload_the_next_base_has_no_bridge(store_url):
                     pub.flush()
             pub.flush()
     refs = {s: Store(store_url).part_refs(s, 0, 1) for s in (1, 3, 4)}
-    assert [r.bridge for r in refs[3]] == [False]  # a rebase: step 2 never committed
+    assert [(r.bridge, r.kind) for r in refs[3]] == [(False, fmt.Kind.BASE)]  # a rebase: step 2 never committed
+    assert [(r.bridge, r.kind, r.prev_step) for r in refs[4]] == [(False, fmt.Kind.DELTA, 3)]
     loader = DeltaLoader(store_url)
     assert loader.steps() == [1, 3, 4]
     for step in (1, 3, 4):

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_delta.checksum import checksum, checksum_update, format_checksum, parse_checksum
+from lightning_delta.checksum import checksum, checksum_at, checksum_update, format_checksum, parse_checksum
 
 M64 = (1 << 64) - 1
 
@@ -72,11 +73,26 @@ def test_chunked_sums_match_the_reference(monkeypatch):
     assert checksum_update(checksum(bits), index, bits[index], new[index]) == checksum(new)
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), max_size=120), st.data())
+def test_the_shares_of_a_payloads_pieces_sum_to_its_checksum(bits, data):
+    """What a payload of several slices (and a worker holding some of its elements) relies on:
+    each piece hashed at its offset, or at its positions, adds up to the whole's checksum."""
+    cut = data.draw(st.integers(0, len(bits)))
+    whole, head, tail = int16(bits), int16(bits[:cut]), int16(bits[cut:])
+    assert (checksum(head) + checksum(tail, cut)) & M64 == checksum(whole) == reference(bits)
+    at = torch.arange(cut, len(bits), dtype=torch.int64)
+    assert (checksum(head) + checksum_at(tail, at)) & M64 == checksum(whole)
+
+
+def test_only_1d_16_bit_tensors_are_hashed():
+    for bad in [torch.zeros(2, 3, dtype=torch.int16), torch.zeros(4, dtype=torch.int32)]:
+        with pytest.raises(ValueError, match=r"expected a 1-D 16-bit tensor, got torch\.int(16|32) of shape \(\d"):
+            checksum(bad)
+
+
 def test_hex_spelling_round_trips():
     assert parse_checksum(format_checksum(2**64 - 1)) == 2**64 - 1
-    for bad in ["", "1234", "0123456789ABCDEF", "0123456789abcdeg"]:
-        try:
+    for bad in ["", "1234", "0123456789ABCDEF", "0123456789abcdeg", "XX0123456789abcd"]:
+        with pytest.raises(ValueError, match="not a 16-digit hex checksum"):
             parse_checksum(bad)
-        except ValueError:
-            continue
-        raise AssertionError(bad)

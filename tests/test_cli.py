@@ -285,7 +285,15 @@ def test_help_answers_without_importing_torch():
 
 
 def test_the_console_script_is_installed():
-    proc = subprocess.run([sys.executable, "-m", "lightning_delta.cli", "--help"], capture_output=True, text=True)
+    """Declared in pyproject.toml and installed beside the interpreter: `lightning-delta`, not
+    `python -m lightning_delta.cli`, is what the README tells users to run."""
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert declared == {"lightning-delta": "lightning_delta.cli:main"}
+    script = Path(sys.executable).parent / "lightning-delta"
+    assert script.is_file(), f"{script} is missing: install the package (scripts/setup.sh)"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "materialize" in proc.stdout
 
 

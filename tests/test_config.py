@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT
+from conftest import ROOT, assert_state, bf16_state
 from lightning_delta import (
     Backlog,
     DeltaCallback,
@@ -104,16 +104,19 @@ def test_settings_accept_names_and_values_and_name_the_wrong_field():
 def test_retention_keeps_the_newest_bases_while_publishing(tmp_path):
     url = str(tmp_path / "store")
     model = TinyLM()
+    truth = {}
     with DeltaPublisher(url, model, PublisherSettings(base_every=3, keep_bases=2)) as pub:
         for step in range(1, 12):  # bases at 1, 4, 7, 10
             with torch.no_grad():
                 next(model.parameters()).add_(1e-3)
+            truth[step] = bf16_state(model)
             pub.publish(step)
     store = Store(url)
     assert store.published_steps() == list(range(7, 12))  # the two newest bases are 10 and 7
     loader = DeltaLoader(url)
-    for step in loader.steps():
-        loader.state_dict(step)  # everything kept still rebuilds and verifies
+    assert loader.steps() == list(range(7, 12))
+    for step in loader.steps():  # everything kept still rebuilds, exactly
+        assert_state(loader.state_dict(step)[1], truth[step])
 
 
 def test_groups_compose_and_typos_fail():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, Revealing, bitwise_equal, torchrun
+from forge import MESSAGE
 from lightning_delta import (
     ChainError,
     ChecksumError,
@@ -189,6 +191,12 @@ def test_a_replica_of_modules_refuses_together_and_decides_together(replica_run)
         assert report["healed_exact_4"] and report["refusals_seen"] == 1
         assert report["caught_up"] == [6, 1] and report["caught_up_exact"]
     assert reports[0]["untouched_exact_3"] and not reports[1]["untouched_exact_3"]
+
+
+def test_a_replica_refuses_a_value_only_the_trainers_checksum_can_catch(replica_run):
+    for report in replica_run:
+        kind, message = report["forged"]
+        assert kind == "ChecksumError" and re.search(f"step 7: payload 0 .*{MESSAGE}", message), message
 
 
 def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_error(tmp_path):

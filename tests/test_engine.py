@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, replace_blob, torchrun
+from forge import MESSAGE, forge_value
 from fused import DIM, HIDDEN, Engine, checkpoint
 from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec, sparse_walk
 from lightning_delta import engine as engine_module
@@ -128,21 +129,31 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
     assert walks[0] == (4 if walk and device == "cpu" and context == Context.NONE else 0)
 
 
-def test_a_damaged_step_writes_nothing_and_the_next_base_heals(store_url):
+@pytest.mark.parametrize("call", ["prepare", "update"])
+@pytest.mark.parametrize("walk", [True, False], ids=["walk", "torch"])
+def test_a_value_only_its_checksum_can_catch_writes_nothing_and_the_next_base_heals(
+    store_url, walk, call, walks, monkeypatch, caplog
+):
+    """One value of step 3 changed under a re-signed marker (tests/forge.py): `prepare` checks it
+    before anything is written (walked on the CPU, or decoded by torch), `update` as it walks it in
+    (then again from the base at 1, through the same step 3): `ChecksumError` and nothing written."""
+    monkeypatch.setattr(sparse_walk, "AVAILABLE", walk)
     truth = publish(store_url)
-    store = Store(store_url)
-    part = store.read_part(3, 0, 1)
-    blob = bytearray(store.objects.get(fmt.blob_path(3, 0, 1)))
-    blob[len(blob) - part.entries[-1].length // 2] ^= 0x01  # a payload bit only its checksum can catch
-    replace_blob(store, 3, 0, 1, bytes(blob))
+    forge_value(Store(store_url), 3)
     engine = Engine()
     live = follower(store_url, engine)
     live.write(live.prepare(2))
-    before = {k: v.clone() for k, v in engine.state().items()}
-    for step in (3, 4):
-        with pytest.raises(DeltaError):
-            live.prepare(step)
-        assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    before, walked = {k: v.clone() for k, v in engine.state().items()}, walks[0]
+    caplog.set_level("WARNING", logger="lightning_delta.engine")
+    with pytest.raises(ChecksumError, match=f"step 3: payload 0 .*{MESSAGE}"):
+        if call == "prepare":
+            live.prepare(3)
+        else:
+            live.update(3)
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    if call == "update":  # the walk wrote the step, found it wrong and took it back; then from the base
+        assert walks[0] - walked == (1 if walk else 0)
+        assert any("nothing was written" in r.getMessage() for r in caplog.records) == walk
     live.write(live.prepare(5))  # from the base at 5
     assert exact(engine, truth[5])
 

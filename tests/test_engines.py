@@ -3,15 +3,17 @@ name mapping, post-load hooks, the probe check and the measured swap pause."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from conftest import bf16_state, bitwise_equal
+from conftest import bf16_state, bitwise_equal, needs
 from lightning_delta import DeltaLoader, DeltaPublisher, FollowSettings, ModelMismatchError, PublisherSettings
 from lightning_delta.shards import named_tensors
 from tinylm import tiny_llama
 
-pytest.importorskip("transformers")
+needs("transformers")
 
 
 class Policy(torch.nn.Module):
@@ -88,13 +90,25 @@ def test_a_mapping_that_does_not_fit_copies_nothing_and_skips_the_hook(store_url
 
 
 def test_followed_steps_report_the_swap_pause_and_pass_the_probe(store_url):
-    train_and_publish(store_url, steps=5)
+    """The pause `apply_to` returns is the write's: inside the call, and over before `after` runs."""
+    truth = train_and_publish(store_url, steps=5)
     rollout = tiny_llama().to(torch.bfloat16).eval()
     follower = DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01))
     followed = next(follower)
-    pause = followed.apply_to(rollout, rename=strip)
+    after_at: list[float] = []
+
+    def after(model: torch.nn.Module) -> None:  # a post-processing step with work of its own: a forward pass
+        after_at.append(time.perf_counter())
+        probe_logprobs(model, PROBE)
+
+    called = time.perf_counter()
+    pause = followed.apply_to(rollout, rename=strip, after=after)
     follower.close()
-    assert followed.step == 5 and isinstance(pause, float) and pause > 0  # the write, timed
+    assert followed.step == 5 and isinstance(pause, float)
+    assert 0 < pause <= after_at[0] - called  # the write, timed: not the hook after it
+    state = bf16_state(rollout)
+    assert {f"policy.{name}" for name in state} == truth[5].keys()
+    assert all(bitwise_equal(state[name], truth[5][f"policy.{name}"]) for name in state)
     assert followed.probe is not None and len(followed.probe) == PROBE[:, 1:].numel()
     assert followed.probe_error(probe_logprobs(rollout, PROBE)) == 0.0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
 import time
@@ -15,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import DictObjects, HookedObjects, Revealing, Said, bf16_state, bitwise_equal, train
+from forge import MESSAGE, forge_value
 from lightning_delta import (
+    ChecksumError,
     DeltaLoader,
     DeltaPublisher,
     FollowedStep,
@@ -134,13 +137,21 @@ def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store
     assert any("does not rebuild" in r.message for r in caplog.records)
 
 
-def test_a_corrupt_step_never_reaches_the_live_model(store_url):
+@pytest.mark.parametrize("damage", ["bytes", "value"])
+def test_a_corrupt_step_never_reaches_the_live_model(store_url, damage, caplog):
+    """Damage planted before following starts (no race with the follower's reads): a flipped byte
+    the marker's SHA-256 catches, or one value changed under a re-signed marker (tests/forge.py)
+    that only the trainer's value checksum catches."""
     trainer = Trainer(store_url, base_every=4)  # bases at 1 and 5
     trainer.steps(5)
-    blob = Path(store_url, fmt.blob_path(4, 0, 1))
-    data = bytearray(blob.read_bytes())
-    data[-2] ^= 0x01  # planted before following starts: no race with the follower's reads
-    blob.write_bytes(bytes(data))
+    if damage == "bytes":
+        blob = Path(store_url, fmt.blob_path(4, 0, 1))
+        data = bytearray(blob.read_bytes())
+        data[-2] ^= 0x01
+        blob.write_bytes(bytes(data))
+    else:
+        forge_value(Store(store_url), 4)
+    caplog.set_level("WARNING", logger="lightning_delta.follow")
     live = TinyLM()
     loader = DeltaLoader(store_url)
     loader.apply_to(live, step=3)
@@ -148,6 +159,10 @@ def test_a_corrupt_step_never_reaches_the_live_model(store_url):
     follower = loader.follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120))
     followed = next(follower)  # step 4 is tried, refused, and skipped; step 5 is a base
     assert (followed.step, followed.skipped) == (5, (4,))
+    refusals = [r.args[1] for r in caplog.records if r.name == "lightning_delta.follow" and "rebuild" in r.msg]
+    assert len(refusals) == 1 and isinstance(refusals[0], ChecksumError)
+    said = "does not match its commit marker" if damage == "bytes" else f"step 4: payload 0 .*{MESSAGE}"
+    assert re.search(said, str(refusals[0]))
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing written yet
     followed.apply_to(live)
     assert_exact(followed, trainer.truth)

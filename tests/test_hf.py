@@ -7,10 +7,13 @@ import types
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from conftest import assert_state, bf16_state, needs
 
-from conftest import assert_state, bf16_state  # noqa: E402
+needs("transformers", "accelerate", "peft")
+
+import peft  # noqa: E402
+import transformers  # noqa: E402
+
 from hf_dist_job import Tokens  # noqa: E402
 from lightning_delta import DeltaLoader, PublishError, PublisherSettings, UnsupportedStrategyError  # noqa: E402
 from lightning_delta.hf import DeltaTrainerCallback  # noqa: E402
@@ -80,7 +83,6 @@ def test_a_used_prefix_is_refused_before_training(tmp_path):
 def lora(model: torch.nn.Module, seed: int = 0, **config) -> torch.nn.Module:
     """`model` with LoRA adapters on q/v (and whatever `config` adds), B made non-zero so the
     merge is not the identity."""
-    peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(
         model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **config)
     )
@@ -137,7 +139,8 @@ def test_a_peft_lora_policy_is_published_merged(tmp_path):
     for step in loader.steps():
         assert_state(loader.state_dict(step)[1], truth.states[step])
     replica = tiny_llama()  # a plain base model, as a rollout engine holds it
-    loader.apply_to(replica)
+    assert loader.apply_to(replica) == 4
+    assert_state(bf16_state(replica), truth.states[4])  # the merged policy, under the base model's names
 
 
 def test_a_peft_model_it_cannot_merge_is_refused_with_the_way_out():

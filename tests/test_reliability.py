@@ -6,11 +6,13 @@ stateful property test at the end drives random call sequences over a damaged ch
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kill_job
-from conftest import assert_state, bf16_state, published_run, replace_blob
+from conftest import Verdict, assert_state, bf16_state, published_run, replace_blob, verdict
+from forge import MESSAGE, forge_value
 from fuzz import _rle_bomb
 from lightning_delta import (
     ChainError,
@@ -69,6 +72,7 @@ def flip_header(blob: bytearray) -> bytearray:
 
 DAMAGE: dict[str, Callable[[Store, int, Path], None]] = {
     "payload bit, marker re-signed": lambda s, step, _: rewrite(s, step, flip_payload, resign=True),
+    "one value, marker re-signed": lambda s, step, _: forge_value(s, step),  # only the value checksum sees it
     "header bit": lambda s, step, _: rewrite(s, step, flip_header, resign=False),
     "truncated": lambda s, step, _: rewrite(s, step, lambda b: b[:-7], resign=False),
     "blob deleted": lambda s, step, _: s.objects.delete([fmt.blob_path(step, 0, 1)]),
@@ -133,6 +137,21 @@ def test_a_foreign_part_is_a_chain_error_and_verify_names_it(store_url, other_ru
     assert "step 6: ChainError" in out and "foreign part" in out and "step 5:" not in out
 
 
+def test_parts_whose_links_do_not_meet_are_a_chain_error_not_a_skipped_step(store_url):
+    """The chain link a replica's worker checks in the parts another worker fetched for it: each
+    part's `prev_step` is the step of the part before it, or the parts are refused."""
+    from lightning_delta.reader import ChainReader
+
+    published_run(store_url, 4, base_every=10)
+    store = Store(store_url)
+    refs = [store.part_refs(step, 0, 1)[0] for step in (1, 2, 4)]  # 3 left out: 4 applies to 3
+    blobs = [store.read_object(ref, 0, 1) for ref in refs]
+    reader = ChainReader(store)
+    assert [p.header.step for p in reader.parse(refs[:2], blobs[:2], 0)] == [1, 2]
+    with pytest.raises(ChainError, match="step 4 does not follow step 2"):
+        reader.parse(refs, blobs, 0)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 
@@ -160,18 +179,21 @@ def test_a_zstd_frame_never_sizes_its_own_output(frame):
         codec.decode(None, payload, numel=1024, dtype=torch.bfloat16)
 
 
-def test_one_flipped_bit_in_a_small_payload_is_a_format_error():
-    old = torch.zeros(1024, dtype=torch.bfloat16)
-    payload = bytearray(codec.encode(None, old))
+@pytest.mark.parametrize("kind", ["zeros", "random"])
+def test_one_flipped_bit_in_a_small_payload_is_refused_or_caught_by_the_checksum(kind):
+    """Every single-bit flip of a whole payload: a `FormatError`, the same bits, or values the
+    trainer's checksum tells apart; both checks are reached."""
+    truth = torch.zeros(1024) if kind == "zeros" else torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    truth = truth.to(torch.bfloat16)
+    payload = bytearray(codec.encode(None, truth))
+    seen = []
     for i in range(len(payload) * 8):
         payload[i // 8] ^= 1 << (i % 8)
-        try:
-            out = codec.decode(None, bytes(payload), numel=1024, dtype=torch.bfloat16)
-        except FormatError:
-            pass
-        else:  # a flip the format cannot see (a padding bit, a mantissa byte): the checksum does
-            assert out.numel() == 1024
+        decode = functools.partial(codec.decode, None, bytes(payload), numel=1024, dtype=torch.bfloat16)
+        seen.append(verdict(decode, truth))
         payload[i // 8] ^= 1 << (i % 8)
+    assert Verdict.REFUSED in seen and Verdict.CAUGHT in seen
+    assert seen.count(Verdict.SAME) < 0.01 * len(seen)
 
 
 def test_a_payload_never_decodes_to_a_dtype_nobody_asked_for():
@@ -304,8 +326,10 @@ def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp
 # ----------------------------------------------------------------------------- any order of calls
 
 STEPS, BASE_EVERY = 12, 4  # bases at 1, 5, 9
-DAMAGED = {3: "payload bit, marker re-signed", 6: "part of another run", 10: "truncated"}
-LOADABLE = {1, 2, 5, 9}  # every other step's chain passes a damaged part
+DAMAGED = {3: "one value, marker re-signed", 6: "part of another run", 10: "truncated"}
+LOADABLE = {1, 2, 5, 9}  # every other step's chain passes a damaged part, and fails with its error:
+REFUSED = {3: ChecksumError, 4: ChecksumError, 6: ChainError, 7: ChainError, 8: ChainError}
+REFUSED |= {10: FormatError, 11: FormatError, 12: FormatError}
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +348,10 @@ def test_the_damaged_chain_loads_exactly_where_it_should(damaged_chain):
         if step in LOADABLE:
             assert_state(loader.state_dict(step)[1], truth[step])
         else:
-            with pytest.raises((ChainError, ChecksumError, FormatError)):
+            with pytest.raises(REFUSED[step]) as refused:
                 loader.state_dict(step)
+            assert type(refused.value) is REFUSED[step]
+            assert REFUSED[step] is not ChecksumError or MESSAGE in str(refused.value)
 
 
 class LoaderCalls(RuleBasedStateMachine):
@@ -440,10 +466,22 @@ def _job(*args: str) -> subprocess.Popen:
     return proc
 
 
-def _kill_at_random(proc: subprocess.Popen, rng: random.Random, seconds: float) -> None:
-    time.sleep(rng.uniform(0, seconds))  # a random moment of the work: what is asserted holds at any
-    proc.kill()
+def _kill_at_random(proc: subprocess.Popen, rng: random.Random, seconds: float, *, may_finish: bool = False) -> None:
+    """Kill the job at a random moment of its work (what is asserted holds at any); a job that
+    ended on its own (crashed, or finished where `may_finish`) is no kill."""
+    time.sleep(rng.uniform(0, seconds))
+    if proc.poll() is None:
+        proc.kill()
     proc.wait()
+    ended = {-signal.SIGKILL, 0} if may_finish else {-signal.SIGKILL}
+    assert proc.returncode in ended, f"the job ended on its own ({proc.returncode}): {proc.stderr.read()[-3000:]}"
+
+
+def _committed(proc: subprocess.Popen) -> int:
+    """Wait for a publisher job's first step to be committed; that step."""
+    line = proc.stdout.readline()
+    assert line.startswith("committed "), f"{line!r}: {proc.stderr.read()[-3000:]}"
+    return int(line.split()[1])
 
 
 def _assert_listed_steps_exact(url: str) -> list[int]:
@@ -458,17 +496,29 @@ def _assert_listed_steps_exact(url: str) -> list[int]:
 @pytest.mark.slow
 def test_publishers_killed_at_random_moments_leave_only_exact_steps_and_resume(tmp_path):
     """8 kills: a fresh run killed, then its resumption killed, four times (scripts/fuzz.py and
-    the other tests here cover the same ground at scale)."""
+    the other tests here cover the same ground at scale).  In the first two trials a kill may land
+    anywhere, before the first commit too; in the last two, after each run's first step is
+    committed: that step and the resumed run's first are listed, and exact."""
     rng = random.Random(0)
     for trial in range(4):
+        synced = trial >= 2
         url = str(tmp_path / f"run-{trial}")
-        _kill_at_random(_job("publish", url, "1"), rng, 1.5)
-        _assert_listed_steps_exact(url)
+        job = _job("publish", url, "1")
+        if synced:
+            assert _committed(job) == 1
+        _kill_at_random(job, rng, 1.5)
+        listed = _assert_listed_steps_exact(url)
+        assert not synced or listed[0] == 1
         store = Store(url)
         first = max(store.published_steps(), default=0) + 1  # past whatever the kill left behind
-        _kill_at_random(_job("publish", url, str(first), store.manifest().run_id), rng, 1.5)
+        manifest = store.manifest()
+        job = _job("publish", url, str(first), *([manifest.run_id] if manifest else []))
+        if synced:
+            assert _committed(job) == first
+        _kill_at_random(job, rng, 1.5)
         listed = _assert_listed_steps_exact(url)
         assert not listed or listed[0] == 1
+        assert not synced or first in listed  # the resumed run published, and its steps rebuild
 
 
 @pytest.mark.slow
@@ -484,7 +534,7 @@ def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(t
     for trial in range(5):
         url = str(tmp_path / f"gc-{trial}")
         shutil.copytree(source, url)
-        _kill_at_random(_job("gc", url), rng, 1.2)
+        _kill_at_random(_job("gc", url), rng, 1.2, may_finish=True)
         listed = _assert_listed_steps_exact(url)
         assert listed[-5:] == [36, 37, 38, 39, 40]
         cut.append(len(listed))

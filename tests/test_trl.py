@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("trl")
-pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+from conftest import ROOT, bf16_state, needs
 
+needs("trl", "peft", "transformers")
+
+import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from conftest import ROOT, bf16_state  # noqa: E402
 from lightning_delta import DeltaLoader  # noqa: E402
 from train_trl import grpo  # noqa: E402
 

@@ -4,8 +4,9 @@ by tests/test_vllm.py (never imported by pytest):
     .venv-vllm/bin/python tests/vllm_job.py SCENARIO WORKDIR     # writes WORKDIR/result.json
 
 A tiny bf16 Llama is saved with `save_pretrained` (step 0), a chain of 6 steps is published from
-its weights (2% of the elements move by one ULP each step; bases at 1 and 5), and a payload bit of
-step 3 is flipped (its marker re-signed, so only the value checksum can catch it).  Scenarios:
+its weights (2% of the elements move by one ULP each step; bases at 1 and 5), and one value of
+step 3 is changed (tests/forge.py: its marker re-signed, so only the value checksum can catch it).
+Scenarios:
 
 * offline (TP=1) and offline-tp2: an `LLM` with the backend follows steps 1, 2, 3 (damaged),
   4 (its chain passes 3), 5 and 6; after each, its greedy log-probs are compared with a fresh
@@ -24,7 +25,6 @@ Whether the engine keeps its linear weights in checkpoint layout (written in pla
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -50,8 +50,8 @@ def build(work: str, key: str | None = None) -> None:
     the weights) with step 3 damaged, and each step's weights in a folder a fresh engine loads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_delta import Store, records
-    from lightning_delta import format as fmt
+    from forge import forge_value
+    from lightning_delta import Store
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -64,14 +64,7 @@ def build(work: str, key: str | None = None) -> None:
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{work}/model")
     torch.multiprocessing.spawn(publish, args=(work, key), nprocs=2)
-    store = Store(f"{work}/store")
-    part, key = store.read_part(DAMAGED, 0, 2), fmt.blob_path(DAMAGED, 0, 2)
-    blob = bytearray(store.objects.get(key) or b"")
-    blob[len(blob) - part.entries[-1].length // 2] ^= 0x01
-    marker = store.read_marker(DAMAGED, 0, 2)
-    store.objects.put(key, bytes(blob))
-    signed = fmt.CommitMarker(len(blob), hashlib.sha256(blob).hexdigest(), marker.kind, marker.prev_step)
-    store.objects.put(fmt.commit_path(DAMAGED, 0, 2), records.dumps(signed))
+    forge_value(Store(f"{work}/store"), DAMAGED, 0, 2)
 
 
 def publish(rank: int, work: str, key: str | None = None) -> None:

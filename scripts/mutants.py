@@ -1,0 +1,184 @@
+"""The critical mutants: each guarantee's line broken on purpose, one at a time, in a copy of src/;
+the fast tests named for it must fail.  A mutant that survives is a guarantee no test pins.
+
+    .venv/bin/python scripts/mutants.py              # every mutant; exit 1 if any survives
+    .venv/bin/python scripts/mutants.py --list       # what each one breaks
+    .venv/bin/python scripts/mutants.py value-checksum engine-undo
+
+The real tree is never edited: each mutant is applied to a fresh copy of src/ and its tests run
+with `PYTHONPATH=<copy>/src`.  Each names the exact source text it replaces (which must occur
+exactly once, so an edit of the source that moves the guarantee breaks this script, not silently
+the check), and as few tests as catch it: CI runs them all on every change (.ci/run).  The tests
+are assumed to pass on the real tree (CI runs them first); the full mutation run with a tool is
+in docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    guarantee: str
+    file: str  # under src/lightning_delta
+    line: str  # the exact source text, found exactly once
+    mutation: str  # what replaces it
+    tests: tuple[str, ...]  # pytest node ids or files, each followed by its `-k` if any ("file::-k expr")
+
+
+MUTANTS = (
+    Mutant(
+        "value-checksum",
+        "a part whose values do not reproduce the trainer's checksum is refused (loader, follower, apply_to)",
+        "patch.py",
+        "            if value != entry.checksum:\n",
+        "            if False:\n",
+        (
+            "tests/test_chain.py::-k only_its_checksum",
+            "tests/test_follow.py::-k corrupt_step",
+        ),
+    ),
+    Mutant(
+        "engine-prepare-checksum",
+        "the engine checks a step's changes (walked on the CPU or decoded by torch) before it writes",
+        "engine.py",
+        "        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):\n"
+        "            if got != want:\n",
+        "        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):\n"
+        "            if False:\n",
+        ("tests/test_engine.py::-k only_its_checksum and prepare",),
+    ),
+    Mutant(
+        "engine-walk-checksum",
+        "the CPU walk's checksum: a step walked in unchecked is checked as it is written",
+        "engine.py",
+        "            for (rank, i, want), got in zip(expected, sums, strict=True):\n                if got != want:\n",
+        "            for (rank, i, want), got in zip(expected, sums, strict=True):\n                if False:\n",
+        ("tests/test_engine.py::-k only_its_checksum and update and walk",),
+    ),
+    Mutant(
+        "engine-composed-checksum",
+        "a chain composed on a whole payload (a re-sync from a base) is checked by the trainer's checksum",
+        "engine.py",
+        "                    if partials is not None and moved != entry.checksum:\n",
+        "                    if False:\n",
+        ("tests/test_engine.py::-k only_its_checksum and update and torch",),
+    ),
+    Mutant(
+        "engine-undo",
+        "a walk that fails takes back everything it wrote: the engine holds the step it held",
+        "engine.py",
+        "                self._walk_of(rank, i, prepared.chains[rank][0], params, arrays).undo(changes)\n",
+        "                pass\n",
+        ("tests/test_engine.py::-k only_its_checksum and update and walk",),
+    ),
+    Mutant(
+        "blob-sha256",
+        "a blob that does not match its commit marker's SHA-256 is refused as such",
+        "format.py",
+        "    if hashlib.sha256(blob).hexdigest() != marker.sha256:\n",
+        "    if False:\n",
+        ("tests/test_follow.py::-k corrupt_step",),
+    ),
+    Mutant(
+        "chain-link",
+        "a chain's parts follow each other by their markers' links",
+        "reader.py",
+        "            if newer.header.prev_step != older.header.step:\n",
+        "            if False:\n",
+        ("tests/test_reliability.py::-k links_do_not_meet",),
+    ),
+    Mutant(
+        "format-header-bound",
+        "a part's header and payload count are bounded before anything is allocated",
+        "format.py",
+        "    if size > MAX_HEADER_BYTES or count > MAX_PAYLOADS:\n",
+        "    if False:\n",
+        ("tests/test_format.py::test_foreign_and_truncated_objects",),
+    ),
+    Mutant(
+        "retention-order",
+        "retention deletes steps newest first, markers first: a gc killed at any moment strands no reader",
+        "retention.py",
+        "    for step in [] if dry_run else reversed(doomed):\n",
+        "    for step in [] if dry_run else doomed:\n",
+        ("tests/test_reliability.py::-k killed_at_any_moment",),
+    ),
+    Mutant(
+        "replica-decision",
+        "a replica's workers all take group rank 0's decisions, though their listings differ",
+        "follow.py",
+        "                behind = source.decide(newer_count)[0]\n",
+        "                behind = source.decide(newer_count)[-1]\n",
+        ("tests/test_distributed.py::-k replica_of_modules",),
+    ),
+)
+
+
+def pytest_args(spec: str) -> list[str]:
+    path, _, select = spec.partition("::-k ")
+    return [path, "-k", select] if select else [path]
+
+
+def run(mutant: Mutant, scratch: Path) -> tuple[bool, float]:
+    """Whether the mutant's tests failed on it (killed), and the seconds they took."""
+    copy = scratch / mutant.name
+    shutil.copytree(ROOT / "src", copy / "src")
+    source = copy / "src" / "lightning_delta" / mutant.file
+    text = source.read_text()
+    if text.count(mutant.line) != 1:
+        raise SystemExit(f"{mutant.name}: its line occurs {text.count(mutant.line)} times in {mutant.file}: update it")
+    source.write_text(text.replace(mutant.line, mutant.mutation))
+    env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+    started, killed = time.monotonic(), False
+    for spec in mutant.tests:  # stop at the first that fails
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+        done = subprocess.run(cmd + pytest_args(spec), cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode == 1:  # tests failed; anything else (no tests, a collection error) is not a kill
+            killed = True
+            break
+        if done.returncode != 0:
+            raise SystemExit(f"{mutant.name}: pytest {spec} exited {done.returncode}:\n{done.stdout[-3000:]}")
+    shutil.rmtree(copy)
+    return killed, time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print each mutant and exit")
+    args = parser.parse_args()
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.guarantee}\n  {m.file}: {m.line.strip()!r} -> {m.mutation.strip()!r}\n  {m.tests}")
+        return
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
+        for m in chosen:
+            killed, seconds = run(m, Path(scratch))
+            print(f"{'killed  ' if killed else 'SURVIVED'} {m.name} ({seconds:.0f} s): {m.guarantee}", flush=True)
+            if not killed:
+                survivors.append(m.name)
+    if survivors:
+        raise SystemExit(f"{len(survivors)} critical mutants survived: {', '.join(survivors)}")
+    print(f"all {len(chosen)} critical mutants killed")
+
+
+if __name__ == "__main__":
+    main()
