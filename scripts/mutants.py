@@ -122,7 +122,7 @@ MUTANTS = (
         "follow.py",
         "                behind = source.decide(newer_count)[0]\n",
         "                behind = source.decide(newer_count)[-1]\n",
-        ("tests/test_distributed.py::-k replica_of_modules",),
+        ("tests/test_follow.py::-k rank_0s_decisions",),
     ),
 )
 

@@ -117,6 +117,28 @@ def test_a_follower_that_fell_behind_jumps_to_the_newest_step_and_reports_it(sto
     trainer.publisher.close()
 
 
+class _OutvotedLoader(DeltaLoader):
+    """A loader as worker 0 of a two-worker replica whose worker 1 always sees a different value
+    (another listing, another verdict): a follower must take worker 0's decisions, in one process."""
+
+    def decide(self, value: int | BaseException) -> list[int]:
+        mine = super().decide(value)[0]
+        return [mine, mine + 1000 if mine >= 0 else 0]
+
+
+def test_a_follower_takes_group_rank_0s_decisions_whatever_the_other_workers_say(store_url):
+    trainer = Trainer(store_url)
+    trainer.steps(4)
+    follower = _OutvotedLoader(store_url).follow(FollowSettings(poll_seconds=0.01, timeout=120))
+    first = next(follower)
+    assert (first.step, first.behind) == (4, 0)  # worker 1's 1004 and 1000 newer steps are not taken
+    assert_exact(first, trainer.truth)
+    trainer.steps(2)
+    rest = list(until(follower, 6))
+    assert rest[-1].step == 6 and all(f.behind == 0 for f in rest)
+    trainer.publisher.close()
+
+
 def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store_url, caplog):
     trainer = Trainer(store_url, base_every=5)  # bases at 1, 6, 11
     trainer.steps(9)
