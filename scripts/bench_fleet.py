@@ -748,15 +748,18 @@ def draw(phases: list[Phase], path: Path) -> None:
     for ax, phase in zip(axes[:, 0], phases, strict=True):
         names = _names(phase)
         origin = phase.commits[min(phase.commits)]
+        span = phase.window[1] - origin
         for row, (region, name) in enumerate(names):
             for e in phase.events[region]:
                 if e["replica"] == name and e["kind"] in colors:
-                    ax.broken_barh([(e["t0"] - origin, e["t1"] - e["t0"])], (row - 0.4, 0.8), color=colors[e["kind"]])
+                    width = max(e["t1"] - e["t0"], 0.004 * span if e["kind"] == "swapping" else 0.0)
+                    top = 3 if e["kind"] == "swapping" else 2  # a swap stays visible over the generation after it
+                    ax.broken_barh([(e["t0"] - origin, width)], (row - 0.4, 0.8), color=colors[e["kind"]], zorder=top)
         for t in phase.commits.values():
             ax.axvline(t - origin, color="#1f77b4", lw=0.6, alpha=0.6)
         ax.set_yticks(range(len(names)), [n for _, n in names], fontsize=7)
-        ax.set_title(f"{phase.mode}, K={phase.replicas} (blue: commits at home)", fontsize=9)
-        ax.set_xlim(0, phase.window[1] - origin + 1)
+        ax.set_title(f"{phase.mode}, K={phase.replicas} (blue: commits at home; swaps drawn >= 0.4% wide)", fontsize=9)
+        ax.set_xlim(0, span + 1)
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel("seconds since step 1 was committed")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
