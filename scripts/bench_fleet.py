@@ -727,6 +727,9 @@ def table(phases: list[Phase], mbit: float) -> str:
                 for r, v in f.mirror_added_lag.items()
             )
             notes.append(f"mirror lag beyond the link's transfer time, p50/worst step: {lags}")
+        if phase.mirror_read:
+            read = ", ".join(f"{r} {v:,d}" for r, v in phase.mirror_read.items())
+            notes.append(f"the mirrors' own count of bytes read, whole run (warm-up's base included): {read}")
         if any(v is not None for v in phase.tbf.values()):
             w = len(phase.step_bytes)
             sent = ", ".join(f"{r} {v / w:,.0f}" for r, v in phase.tbf.items() if v is not None)
