@@ -406,20 +406,21 @@ class Mirror:
 
     def _relay_heartbeat(self) -> None:
         """Rewrite the mirror's heartbeat with the source's, if it changed (checked first, given
-        trusted keys: a forged heartbeat would hide steps withheld)."""
+        trusted keys: a forged heartbeat would hide steps withheld).  Only a signed run has one."""
+        assert self._run is not None  # claimed before
+        if self._run.manifest.signer is None:
+            return
         data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
         if data is None or data == self._heartbeat:
             return
         if self.source.trust is not None:
-            assert self._run is not None
+            where = f"{self.source.url}/{fmt.HEARTBEAT}"
             try:
-                self.source.trust.check_heartbeat(
-                    self._run, fmt.decode_heartbeat(data), f"{self.source.url}/{fmt.HEARTBEAT}"
-                )
+                self.source.trust.check_heartbeat(self._run, fmt.decode_heartbeat(data), where)
             except (FormatError, SignatureError) as err:
                 if fmt.HEARTBEAT not in self._said:
                     self._said.add(fmt.HEARTBEAT)
-                    log.warning("%s: not relaying %s/%s: %s", self, self.source.url, fmt.HEARTBEAT, err)
+                    log.warning("%s: not relaying %s: %s", self, where, err)
                 return
         self.destination.objects.put(fmt.HEARTBEAT, data)
         self._heartbeat = data

@@ -1,0 +1,84 @@
+"""`scripts/bench_fleet.py`: its link proxy relays and counts every byte, and its smallest fleet
+(three regions of two replicas, the three modes, links shaped by the proxy alone) runs end to end
+with every swap exact and the bytes each mode must move seen crossing the links."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_fleet import MODES, REGIONS, DelayProxy, TokenBucket
+
+FIGURES = (
+    "cross_region_bytes_per_step",
+    "codec_bytes_per_step",
+    "generating_fraction",
+    "commit_to_swapped_p95_s",
+    "staleness_max",
+)
+
+
+def test_the_link_proxy_relays_every_byte_both_ways_and_counts_them():
+    payload = bytes(range(256)) * 4000
+    server = socket.create_server(("127.0.0.1", 0))
+    got_request = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got_request.append(conn.recv(5))
+            conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    proxy = DelayProxy("127.0.0.1", server.getsockname(), rtt=0.02, bucket=TokenBucket(100e6))
+    port = proxy.open_port()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"hello")
+            client.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := client.recv(1 << 16):
+                received += chunk
+    finally:
+        proxy.close()
+        server.close()
+    assert got_request == [b"hello"] and received == payload
+    assert proxy.counts[port] == len(payload) + 5
+
+
+@pytest.mark.slow
+def test_bench_fleet_smallest_case(tmp_path):
+    seq = tmp_path / "seq"
+    make = [sys.executable, str(ROOT / "scripts/make_sequence.py"), str(seq), "--steps", "3", "--dim", "32"]
+    subprocess.run([*make, "--layers", "1"], check=True, capture_output=True, timeout=300)
+    out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    args = ["--no-kernel", "--replicas", "2", "--period", "1", "--generate", "0.2", "--mbit", "20"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench_fleet.py"), str(seq), *args, "--json", str(out), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "proxy only" in proc.stdout  # --no-kernel says how the links were made
+    figures = json.loads(out.read_text())
+    assert set(figures) == set(MODES)
+    regions = {name for name, _ in REGIONS} | {"fleet"}
+    for mode, numbers in figures.items():
+        assert numbers["mismatches"] == 0 and numbers["replicas"] == 2, mode
+        for name in FIGURES:
+            assert set(numbers[name]) == regions, (mode, name)
+        for region in regions - {"fleet"}:
+            assert 0 < numbers["generating_fraction"][region] <= 1, mode
+            crossed, codec = numbers["cross_region_bytes_per_step"][region], numbers["codec_bytes_per_step"][region]
+            readers = 1 if mode == "delta_mirror" else 2  # one mirror, or every replica, reads home
+            assert crossed >= readers * codec, (mode, region, crossed, codec)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
