@@ -5,19 +5,31 @@ The real vLLM engine is in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 
 from conftest import ROOT, replace_blob, torchrun
 from fused import DIM, HIDDEN, Engine, checkpoint
-from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec, sparse_walk
+from lightning_delta import (
+    ChecksumError,
+    DeltaError,
+    DeltaPublisher,
+    PublisherSettings,
+    Store,
+    StoreError,
+    codec,
+    sparse_walk,
+)
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta import publisher as publisher_module
 from lightning_delta.codec import CodecOptions, Context, Mode
-from lightning_delta.engine import EngineFollower
+from lightning_delta.engine import EngineFollower, PrefetchTimeoutError
+from lightning_delta.objects import FsspecObjects
 from lightning_delta.patch import views
+from lightning_delta.reader import ChainReader
 from lightning_delta.viewmap import Box, ViewMap
 
 STEPS = 8
@@ -165,6 +177,46 @@ def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, wal
         live.update(3)
     assert walks[0] - walked == len(part.entries)  # every payload of step 3 was walked, then taken back
     assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+
+
+class _Stalling(FsspecObjects):
+    """A store whose listings wait, once `stalled` is cleared, until it is set again (a store that
+    does not answer), for 20 s at most."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.stalled, self.waiting = threading.Event(), threading.Event()
+        self.stalled.set()
+
+    def list(self, key: str) -> list[str]:
+        if not self.stalled.is_set():
+            self.waiting.set()
+            if not self.stalled.wait(20):  # bounded, so that a test that would hang fails instead
+                raise StoreError(f"{self.url}: no answer while listing {key}")
+        return super().list(key)
+
+
+def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_again(store_url):
+    """The follower never uses the group while its prefetcher may still be in a collective: it
+    raises instead of waiting forever, and the next call waits for the prefetcher again."""
+    truth = publish(store_url)
+    objects, engine = _Stalling(store_url), Engine()
+    live = follower(store_url, engine)
+    live.store, live._reader = Store(objects), ChainReader(Store(objects))
+    live.stop_seconds = 0.05
+    live.update(2)
+    objects.stalled.clear()
+    live.prefetch(0.01)
+    assert objects.waiting.wait(60)
+    for _ in range(2):
+        with pytest.raises(PrefetchTimeoutError, match="did not stop"):
+            live.update(None)
+    assert live.held_step == 2 and exact(engine, truth[2])
+    objects.stalled.set()
+    live.stop_seconds = 60
+    live.update(None)
+    assert live.held_step == STEPS and exact(engine, truth[STEPS])
+    live.close()
 
 
 def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):

@@ -44,6 +44,7 @@ from .errors import DeltaError
 from .loader import FullCheck
 from .patch import LoadReport
 from .records import enum_member
+from .replica import exchange_bytes
 from .store import Store
 from .viewmap import ViewMap
 
@@ -128,11 +129,19 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         if tp.world_size > 1:  # a group of our own: a prefetching thread never shares vLLM's
             group = dist.new_group(ranks=tp.ranks, backend="gloo", use_local_synchronization=True)
         self._last = tp.rank_in_group == tp.world_size - 1
-        store = Store(init_info.url, init_info.storage_options)
-        specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
-        params = dict(self.model.named_parameters())
-        with set_current_vllm_config(self.vllm_config):
-            view_map = ViewMap.learn(specs, self._load_one, params, self._refuse)
+        failure: Exception | None = None
+        try:  # a worker that fails alone must not leave the others waiting in the follower's first exchange
+            store = Store(init_info.url, init_info.storage_options)
+            specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
+            params = dict(self.model.named_parameters())
+            with set_current_vllm_config(self.vllm_config):
+                view_map = ViewMap.learn(specs, self._load_one, params, self._refuse)
+        except Exception as err:
+            failure = err
+        if group is not None:
+            exchange_bytes(failure or b"", group, torch.device("cpu"))
+        elif failure is not None:
+            raise failure
         self.follower = EngineFollower(
             store,
             view_map,
