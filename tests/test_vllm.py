@@ -56,6 +56,22 @@ def assert_followed(result: dict, compared: set[int]) -> None:
     assert result["version"] == "6"
 
 
+def test_the_plugin_entry_point_never_breaks_vllms_startup():
+    """vLLM runs `register` unguarded in each of its processes: it registers once, turns prepacking
+    off with one line, and where vLLM's factory or flag moved it says so in one line and adds
+    nothing, never raising."""
+    env = {**os.environ, "PYTHONPATH": VLLM_PATH}
+    proc = run_all([str(PYTHON), str(ROOT / "tests" / "vllm_register_job.py")], env, 300, "register")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["registered"] and report["onednn"] is False
+    [plain] = report["plain"]
+    assert plain.startswith("INFO") and "oneDNN prepacking of linear weights is off in this process" in plain
+    [moved] = report["moved"]
+    assert moved.startswith("WARNING lightning_delta: not registered") and report["unregistered"]
+    [no_flag] = report["no_flag"]
+    assert no_flag.startswith("WARNING") and "_supports_onednn is gone" in no_flag
+
+
 def test_an_engine_with_plain_weights_takes_each_step_in_place(tmp_path):
     result = run("offline", tmp_path, plain=True)
     assert result["paths"] == [[[21, 2886144], [0, 0]]]  # every tensor, written in place

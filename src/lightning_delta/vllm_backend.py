@@ -53,6 +53,9 @@ __all__ = ["NAME", "PLAIN_WEIGHTS", "DeltaInitInfo", "DeltaUpdateInfo", "Lightni
 log = logging.getLogger("vllm.lightning_delta")  # vLLM's handlers show its children's lines beside its own
 
 NAME = "lightning_delta"
+TESTED_VLLM = "0.32"
+"""The vLLM releases this backend is tested with (pyproject pins the same range): it reads a
+private flag of vLLM's, and runs vLLM's layerwise reload."""
 PLAIN_WEIGHTS = "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS"
 """Set to 1 in the environment of a CPU engine to keep its linear weights in checkpoint layout
 (no oneDNN prepacking), so that updates are written in place at the cost of the change."""
@@ -60,15 +63,51 @@ PLAIN_WEIGHTS = "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS"
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: run by vLLM in each of its processes, before any
-    worker loads a model."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    worker loads a model.  vLLM calls it without a guard, and it runs wherever this package is
+    installed: it never raises.  Where vLLM's API moved, it says so in one line and adds nothing
+    (the backend is then unknown to vLLM, and selecting it fails there)."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    if NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(NAME, __name__, LightningDeltaEngine.__name__)
+    except ValueError:  # registered already, and said so: vLLM may load a process's plugins twice
+        return
+    except Exception as err:
+        log.warning(
+            "lightning_delta: not registered as a weight-transfer backend: this vLLM's factory differs from the "
+            "tested one (vllm %s; %s: %s)",
+            TESTED_VLLM,
+            type(err).__name__,
+            err,
+        )
+        return
     if os.environ.get(PLAIN_WEIGHTS) == "1":
-        import vllm._custom_ops
+        _keep_plain_weights()
 
-        vllm._custom_ops._supports_onednn = False
+
+def _keep_plain_weights() -> None:
+    """Turn vLLM's oneDNN prepacking of linear weights off in this process (a private flag of
+    vLLM's CPU ops), so that they are written in place; said in one line either way.  Where the
+    flag is gone, the layers it no longer governs are found prepacked and reloaded."""
+    try:
+        import vllm._custom_ops as ops
+
+        present = hasattr(ops, "_supports_onednn")
+        if present:
+            ops._supports_onednn = False
+    except Exception as err:  # vLLM's startup goes on whatever happens here
+        present, why = False, f"{type(err).__name__}: {err}"
+    else:
+        why = "vllm._custom_ops._supports_onednn is gone"
+    if present:
+        log.info("lightning_delta: %s=1: oneDNN prepacking of linear weights is off in this process", PLAIN_WEIGHTS)
+    else:
+        log.warning(
+            "lightning_delta: %s=1 is ignored: this vLLM differs from the tested one (vllm %s; %s)",
+            PLAIN_WEIGHTS,
+            TESTED_VLLM,
+            why,
+        )
 
 
 def _report_through_vllm() -> None:
