@@ -219,6 +219,103 @@ def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_a
     live.close()
 
 
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url):
+    """The end of a write (the engine's reload of the tensors it cannot take in place) cannot be
+    taken back: where it raises, the follower holds no step and loads the step again from its base
+    at once; where that fails too, it says so, and the next update re-syncs."""
+    truth = publish(store_url)
+    engine = Engine(cast_norm=True)  # the norm is cast: kept, and handed to the reload
+    live = follower(store_url, engine)
+    reload, calls = live._reload, []
+
+    def failing(times: int):
+        def call(tensors: dict[str, torch.Tensor]) -> None:
+            calls.append(sorted(tensors))
+            if len(calls) <= times:
+                engine.norm.data.fill_(float("nan"))  # as a layer processed from half its weights would
+                raise RuntimeError("the reload failed halfway")
+            assert reload is not None
+            reload(tensors)
+
+        return call
+
+    live.update(2)
+    live._reload = failing(1)
+    prepared, _, _ = live.update(3)  # the reload raised once: step 3 again, from the base at 1
+    assert calls == [["layer.norm", "layer.rope"]] * 2 and prepared.held is None
+    assert live.held_step == 3 and exact(engine, truth[3])
+    live.verify()
+
+    calls.clear()
+    live._reload = failing(2)  # and again as it re-syncs: the follower holds no step
+    with pytest.raises(DeltaError, match="the reload failed halfway"):
+        live.update(4)
+    assert live.held_step is None and len(calls) == 2
+    prepared, _, _ = live.update(4)  # the next update loads from a base
+    assert prepared.held is None and live.held_step == 4 and exact(engine, truth[4])
+    live.verify()
+
+
+class _Layered(torch.nn.Module):
+    """Two modules, as an engine lays them out: `proj`'s weight is cast on load (so refused, and
+    reloaded) beside its bias, a plain view; `norm` holds plain views only.  Its reload rebuilds
+    each module it hands anything from what it received, as vLLM's layerwise reload does: a
+    parameter of that module it received nothing for is uninitialised memory (NaN here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, 8, dtype=torch.float32)
+        self.proj.bias.data = torch.zeros(8, dtype=torch.bfloat16)
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.bfloat16), requires_grad=False)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.get_parameter(name).data.copy_(tensor)
+
+    @torch.no_grad()
+    def reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        for module in {name.rsplit(".", 1)[0] for name in tensors}:
+            for param in self.get_submodule(module).parameters():
+                param.data.fill_(float("nan"))
+        for name, tensor in tensors.items():
+            self.load(name, tensor)
+
+
+@pytest.mark.parametrize("by_module", [True, False])
+def test_a_module_goes_in_place_or_through_the_reload_as_a_whole(store_url, by_module):
+    torch.manual_seed(0)
+    state = {
+        "proj.weight": torch.randn(8, DIM).to(torch.bfloat16),
+        "proj.bias": torch.randn(8).to(torch.bfloat16),
+        "norm.weight": torch.randn(DIM).to(torch.bfloat16),
+    }
+    truth = {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, 4):
+            for tensor in state.values():
+                tensor.view(torch.int16)[..., :2] += 1  # every tensor changes at every step
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = _Layered()
+    specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
+    params = dict(engine.named_parameters())
+    view_map = ViewMap.learn(specs, engine.load, params, by_module=by_module)
+    assert "proj.weight" in view_map.refused and "norm.weight" in view_map.boxes
+    live = EngineFollower(Store(store_url), view_map, lambda: dict(engine.named_parameters()), engine.reload)
+    for step in (1, 2, 3):
+        live.update(step)
+        bias = engine.proj.bias.view(torch.int16)
+        assert torch.equal(engine.norm.weight.view(torch.int16), truth[step]["norm.weight"].view(torch.int16))
+        if not by_module:  # the bias written in place, then wiped as its module is rebuilt without it
+            assert engine.proj.bias.isnan().all()
+            return
+        assert "its module (proj) is reloaded" in view_map.refused["proj.bias"]
+        assert torch.equal(bias, truth[step]["proj.bias"].view(torch.int16))
+        assert torch.equal(engine.proj.weight.to(torch.bfloat16), truth[step]["proj.weight"])
+
+
 def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):
     truth = publish(store_url)
     engine = Engine()

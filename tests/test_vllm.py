@@ -94,6 +94,24 @@ def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reloa
     assert_followed(result, {1, 2, 3, 4, 5, 6})
 
 
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(tmp_path):
+    """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
+    device, and the step is loaded again from its base at once; where that fails too, the engine
+    still generates, says it holds no step, and the next update re-syncs it exactly.  A tensor the
+    model has no parameter for is handed to its loader once, not at every reload."""
+    result = run("reload-fails", tmp_path, plain=False)
+    assert result["paths"] == [[[5, 2560], [16, 2883584]]]
+    assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
+    numel = result["once"]["report"]["numel"]
+    assert result["once"]["report"]["changed"] == numel  # re-synced from the base
+    assert "the loader failed halfway" in result["errors"]["always"]
+    assert result["always"]["report"]["step"] is None and result["always"]["logprobs"][0]  # it still generates
+    assert result["after"]["equal"] and "after" not in result["errors"]
+    assert "unloadable" not in result["errors"] and "unloadable_again" not in result["errors"]
+    assert result["unloadable_calls"]["refused"] == 1
+    assert result["unloadable_calls"]["unloadable"] == ["model.embed_tokens.weight"]
+
+
 def test_two_tensor_parallel_workers_share_one_download(tmp_path):
     result = run("offline-tp2", tmp_path, plain=True, tp=2)
     assert result["paths"] == [[[21, 2886144], [0, 0]]] * 2

@@ -549,13 +549,15 @@ class EngineFollower:
         except Exception as err:
             self._held, self._generation = None, self._generation + 1
             log.warning(
-                "%s: step %d was written only in part (%s); the engine holds no step of the chain until the next "
-                "update, which loads it from its base",
+                "%s: step %d was written only in part (%s); the engine holds no step of the chain until it is "
+                "loaded from a base",
                 self.store.url,
                 prepared.step,
                 err,
             )
-            raise
+            if isinstance(err, DeltaError):
+                raise
+            raise DeltaError(f"{type(err).__name__}: {err}") from err
         self._held, self._generation = prepared.states, self._generation + 1
         return time.perf_counter() - started
 
@@ -593,14 +595,20 @@ class EngineFollower:
     def update(self, step: int | None) -> tuple[EngineStep, bool, float]:
         """Take `step` (None: the newest; prefetched if it was) and write it: (the step, whether
         it was prefetched, the seconds of the write).  A step whose changes no longer fit the
-        engine's weights is loaded again from a base, which writes every element."""
+        engine's weights, or whose write failed past the point where it can be taken back (the
+        engine's reload raised, say), is loaded again from a base, which writes every element;
+        if that fails too, the follower holds no step, and the next update loads from a base."""
         prepared, prefetched = self._take(step, verify=False)
         try:
             return prepared, prefetched, self.write(prepared, check=prefetched)
         except ChecksumError as err:
             log.warning("%s; loading step %d from its base", err, prepared.step)
-            prepared = self.prepare(prepared.step)
-            return prepared, False, self.write(prepared)
+        except DeltaError as err:  # every worker raised it, and each holds no step if it was written in part
+            if self._held is not None or prepared.held is None:
+                raise  # nothing written, or a failed write from a base, which would fail the same way again
+            log.warning("%s; re-syncing step %d from its base", err, prepared.step)
+        prepared = self.prepare(prepared.step)
+        return prepared, False, self.write(prepared)
 
     def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
         """Write one slice of a payload's patch; True if it went into the kept copies."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -102,6 +102,10 @@ class ViewMap:
 
     boxes: dict[str, tuple[Box, ...]]
     refused: dict[str, str]  # checkpoint tensor name -> why it is not a plain view
+    homes: dict[str, frozenset[str]] = field(default_factory=dict)
+    """The parameters the loader copied each tensor into, mapped or refused: which modules it is in."""
+    by_module: bool = False
+    """Whether a module goes in place or through the reload as a whole (`_whole_modules`)."""
 
     @classmethod
     def learn(
@@ -110,13 +114,18 @@ class ViewMap:
         load: Callable[[str, Tensor], None],
         params: Mapping[str, Tensor],
         refuse: Callable[[str], str | None] = lambda param: None,
+        *,
+        by_module: bool = False,
     ) -> ViewMap:
         """Run `load(name, tensor)` (the engine's loader) on a meta tensor of each checkpoint tensor
         in `specs` and keep the plain views it makes into `params`; `refuse(param)` may name a
-        reason a parameter cannot be written in place (its layer computes from a packed copy)."""
+        reason a parameter cannot be written in place (its layer computes from a packed copy).
+        With `by_module` (an engine whose reload rebuilds each module it touches from what it
+        receives, as vLLM's layerwise reload does), a module goes one way or the other as a whole."""
         by_storage = {t.untyped_storage().data_ptr(): (name, t) for name, t in params.items() if t.numel()}
         boxes: dict[str, tuple[Box, ...]] = {}
         refused: dict[str, str] = {}
+        homes: dict[str, frozenset[str]] = {}
         for name, (shape, dtype) in specs.items():
             probe = torch.empty(shape, dtype=dtype, device="meta")
             recorder = _Copies(probe)
@@ -126,6 +135,12 @@ class ViewMap:
             except Exception as err:  # the loader cannot take it as it is: not a plain view
                 refused[name] = f"the loader failed on it ({type(err).__name__}: {str(err)[:120]})"
                 continue
+            finally:
+                homes[name] = frozenset(
+                    by_storage[ptr][0]
+                    for dst, _ in recorder.copies
+                    if not dst.is_meta and (ptr := dst.untyped_storage().data_ptr()) in by_storage
+                )
             try:
                 found = tuple(_box(probe, dst, src, by_storage, refuse) for dst, src in recorder.copies)
                 if not found:
@@ -136,7 +151,9 @@ class ViewMap:
                 refused[name] = str(why)
                 continue
             boxes[name] = found
-        return cls(boxes, refused)
+        view_map = cls(boxes, refused, homes, by_module)
+        view_map._whole_modules()
+        return view_map
 
     def describe(self) -> dict[str, list[list[list[int]]]]:
         """The regions this worker holds, by tensor (what workers compare to settle ownership)."""
@@ -165,7 +182,26 @@ class ViewMap:
             owned[name] = tuple(min(w for w, h in enumerate(held) if b.region in h) == rank for b in self.boxes[name])
         for name in set().union(*(w.keys() for w in described)) - self.boxes.keys() - self.refused.keys():
             self.refused[name] = "another tensor-parallel worker could not map it"
-        return owned
+        self._whole_modules()  # the same on every worker: they refuse the same tensors, of the same modules
+        return {name: mine for name, mine in owned.items() if name in self.boxes}
+
+    def _whole_modules(self) -> None:
+        """Refuse every tensor of a module that holds a refused one.  An engine's layerwise reload
+        rebuilds each module it touches from what it receives (vLLM's moves whole modules to the
+        meta device): a tensor written in place beside a reloaded one would come back as
+        uninitialised memory, so a module goes in place, or through the reload, as a whole."""
+        while self.by_module:
+            reloaded = {_module(p) for name in self.refused for p in self.homes.get(name, ())}
+            joining = [
+                name
+                for name, found in self.boxes.items()
+                if {_module(p) for p in self.homes.get(name, frozenset(b.param for b in found))} & reloaded
+            ]
+            if not joining:
+                return
+            for name in joining:
+                modules = sorted({_module(b.param) for b in self.boxes.pop(name)} & reloaded)
+                self.refused[name] = f"its module ({modules[0]}) is reloaded, as a whole, for another of its tensors"
 
 
 class _NotAView(Exception):
@@ -217,6 +253,10 @@ def _box(
         rest = rest % stride if stride else rest
     offset = int(dst.storage_offset()) - int(tensor.storage_offset())
     return Box(tuple(start), tuple(int(n) for n in src.shape), param, offset, tuple(int(s) for s in dst.stride()))
+
+
+def _module(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ""
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:

@@ -48,7 +48,15 @@ from .replica import exchange_bytes
 from .store import Store
 from .viewmap import ViewMap
 
-__all__ = ["NAME", "PLAIN_WEIGHTS", "DeltaInitInfo", "DeltaUpdateInfo", "LightningDeltaEngine", "register"]
+__all__ = [
+    "NAME",
+    "PLAIN_WEIGHTS",
+    "DeltaInitInfo",
+    "DeltaUpdateInfo",
+    "LightningDeltaEngine",
+    "ReloadError",
+    "register",
+]
 
 log = logging.getLogger("vllm.lightning_delta")  # vLLM's handlers show its children's lines beside its own
 
@@ -143,6 +151,11 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
     step: int | None = None
 
 
+class ReloadError(DeltaError, RuntimeError):
+    """vLLM's layerwise reload raised: the layers it had processed hold the new step, the others the
+    old one, so the engine holds no step of the chain until it re-syncs from a base."""
+
+
 class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     """The backend in one vLLM worker."""
 
@@ -174,7 +187,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
             params = dict(self.model.named_parameters())
             with set_current_vllm_config(self.vllm_config):
-                view_map = ViewMap.learn(specs, self._load_one, params, self._refuse)
+                view_map = ViewMap.learn(specs, self._load_one, params, self._refuse, by_module=True)
         except Exception as err:
             failure = err
         if group is not None:
@@ -202,6 +215,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             reloaded_bytes / 1e6,
             f", because {'; '.join(reasons)}" if reasons else "",
         )
+        self._unloadable = set[str]()
         self._prefetch = init_info.prefetch
         self._poll = init_info.poll_seconds
         if self._prefetch:
@@ -217,12 +231,21 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         try:
             prepared, prefetched, wrote = self.follower.update(update_info.step)
         except DeltaError as err:  # the same error on every worker: the group agreed on it
-            log.error(
-                "lightning_delta: step %s not applied, the engine keeps step %s: %s",
-                update_info.step,
-                self.applied,
-                err,
-            )
+            if self.follower.held_step is None:  # written in part, and the re-sync failed too
+                self.applied = None
+                log.error(
+                    "lightning_delta: step %s not applied, and the engine holds no step of the chain: the next "
+                    "update re-syncs it from a base: %s",
+                    update_info.step,
+                    err,
+                )
+            else:
+                log.error(
+                    "lightning_delta: step %s not applied, the engine keeps step %s: %s",
+                    update_info.step,
+                    self.applied,
+                    err,
+                )
             if self._prefetch:
                 self.follower.prefetch(self._poll)
             # A failure on an earlier worker would shift vLLM's replies for good: the last one reports it.
@@ -266,11 +289,40 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
 
     def _reload(self, tensors: Mapping[str, Tensor]) -> None:
         """vLLM's layerwise reload of every tensor kept here (prepacked or quantized layers process
-        them again): a layer that received part of its weights would be rebuilt from the rest."""
+        them again): a layer that received part of its weights would be rebuilt from the rest.
+
+        A tensor the model has no parameter for (its loader says so by name, as for a name it does
+        not know) is never handed to it again, and one line says so: nothing of it is served.  Any
+        other failure still finalizes the reload, so that no layer stays on the meta device (a
+        layer that received nothing keeps its values), and then raises `ReloadError`: the follower
+        holds no step, and re-syncs from a base.  (The tensors whose loader failed when the map was
+        learned are no guide: a prepacked engine's loader fails on most of its linear weights then,
+        and takes them in the reload.)"""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        failures: list[str] = []
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(self.model)
-            self.model.load_weights(list(tensors.items()))
-            finalize_layerwise_reload(self.model, self.model_config)
+            try:
+                for name, tensor in tensors.items():
+                    if name in self._unloadable:
+                        continue
+                    try:
+                        self.model.load_weights([(name, tensor)])
+                    except Exception as err:
+                        if not (isinstance(err, (KeyError, ValueError)) and name in str(err)):
+                            failures.append(f"{name} ({type(err).__name__}: {str(err)[:200]})")
+                            continue
+                        self._unloadable.add(name)
+                        log.warning(
+                            "lightning_delta: the model has no parameter for %s (%s: %s): it is followed and "
+                            "checked, and never handed to the engine again",
+                            name,
+                            type(err).__name__,
+                            err,
+                        )
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
+        if failures:
+            raise ReloadError(f"vLLM's layerwise reload failed on {'; '.join(failures[:4])}")
