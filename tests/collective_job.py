@@ -12,7 +12,8 @@ collective of the library:
 * raw_prepare, raw_init: rank 1's store raises an error it does not classify (not a `DeltaError`);
 * keyerror: rank 1's engine no longer registers a parameter the walk writes;
 * oom_write: rank 1 runs out of memory writing a step from its base, after the walk;
-* prefetch: rank 1's prefetcher fails to list the chain, while rank 0's finds a step.
+* prefetch: rank 1's prefetcher fails to list the chain, while rank 0's finds a step; then the
+  full check while the prefetchers poll the group.
 
 Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took;
 and whether `exchange` hands every rank what each sent, for items that fit in the first broadcast's
@@ -223,6 +224,9 @@ def main() -> None:
     mixed.prefetch(0.01)
     report["prefetch"] = outcome(lambda: mixed.update(None))
     report["prefetch_then"] = [mixed.held_step, outcome(mixed.verify)[0], flaky.lists]
+    mixed.prefetch(0.001)  # no newer step: its prefetcher polls the group, a decision each time
+    report["verify_prefetching"] = [outcome(mixed.verify)[0] for _ in range(20)]
+    mixed.close()
 
     # `exchange` at the edges of its head (128 int64 slots: status, count, sizes, then the items
     # where they fit): every pair of these item sizes, one rank sending each

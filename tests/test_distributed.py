@@ -226,3 +226,4 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
         assert report["oom_held"] is None and report["oom_then"] == ["ok", 6, "ok"]
         # rank 1's prefetcher met a store error: both prefetchers stop on it, and the update fetches again
         assert report["prefetch"][0] == "ok" and report["prefetch_then"] == [8, "ok", 0], report["prefetch"]
+        assert report["verify_prefetching"] == ["ok"] * 20  # the check stops the prefetcher first

@@ -316,6 +316,75 @@ def test_a_module_goes_in_place_or_through_the_reload_as_a_whole(store_url, by_m
         assert torch.equal(engine.proj.weight.to(torch.bfloat16), truth[step]["proj.weight"])
 
 
+class _Derived(torch.nn.Module):
+    """MLA's layout in miniature: `attn` derives `W` (a parameter no checkpoint tensor is copied
+    into) from `attn.kv.weight` after loading, and reads only `W`; `kv` is registered twice, as
+    vLLM's MLA registers `kv_b_proj`.  Its reload loads, then processes `attn` again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = torch.nn.Linear(DIM, 8, bias=False, dtype=torch.bfloat16)
+        self.attn = torch.nn.Module()
+        self.attn.kv = self.kv
+        self.attn.W = torch.nn.Parameter(torch.zeros(DIM, 8, dtype=torch.bfloat16))
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.bfloat16))
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.get_parameter(name).data.copy_(tensor)
+
+    @torch.no_grad()
+    def process(self) -> None:
+        self.attn.W.data.copy_(self.kv.weight.t())
+
+    def reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.load(name, tensor)
+        self.process()
+
+
+def test_a_parameter_that_feeds_a_copy_made_after_loading_is_never_written_only_in_place(store_url):
+    torch.manual_seed(0)
+    state = {"kv.weight": torch.randn(8, DIM).to(torch.bfloat16), "norm.weight": torch.randn(DIM).to(torch.bfloat16)}
+    truth = {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, 4):
+            for tensor in state.values():
+                tensor.view(torch.int16)[..., :2] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = _Derived()
+    specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
+    view_map = ViewMap.learn(specs, engine.load, dict(engine.named_parameters()), by_module=True)
+    assert set(view_map.boxes) == {"kv.weight", "norm.weight"}  # plain views, as far as the loader shows
+    view_map.refuse_derived(engine)
+    assert set(view_map.boxes) == {"norm.weight"} and "feeds attn.W" in view_map.refused["kv.weight"]
+    live = EngineFollower(Store(store_url), view_map, lambda: dict(engine.named_parameters()), engine.reload)
+    for step in (1, 2, 3):
+        live.update(step)
+        assert torch.equal(engine.attn.W.t().contiguous().view(torch.int16), truth[step]["kv.weight"].view(torch.int16))
+        assert torch.equal(engine.norm.weight.view(torch.int16), truth[step]["norm.weight"].view(torch.int16))
+
+
+def test_the_view_map_finds_the_parameter_in_a_shared_storage_and_refuses_a_copy_past_its_end():
+    """Parameters carved out of one storage (an engine's memory pool): each copy is placed in the
+    parameter it starts in, and one that runs past that parameter's end is refused."""
+    pool = torch.zeros(24, dtype=torch.bfloat16)
+    params = {"p": pool[:8], "q": pool[8:16], "r": pool[16:24]}
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        at = {"a": 8, "b": 4, "c": 16}[name]
+        pool[at : at + 8].copy_(tensor)
+
+    specs = {n: ((8,), torch.bfloat16) for n in "abc"}
+    view_map = ViewMap.learn(specs, load, params)
+    assert view_map.boxes["a"] == (Box((0,), (8,), "q", 0, (1,)),)
+    assert view_map.boxes["c"] == (Box((0,), (8,), "r", 0, (1,)),)
+    assert "past the ends of p" in view_map.refused["b"]
+
+
 def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):
     truth = publish(store_url)
     engine = Engine()

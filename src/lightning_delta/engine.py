@@ -164,6 +164,7 @@ class EngineFollower:
         self._generation = 0
         self._warned_classed = False
         self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
+        self._ready: EngineStep | None = None  # what a stopped prefetcher prepared
         self.stop_seconds = stop_seconds
 
     # ------------------------------------------------------------------ facts
@@ -516,6 +517,7 @@ class EngineFollower:
         if a weight was changed behind the follower's back meanwhile, `ChecksumError`, and nothing
         is written.
         """
+        self._stop_prefetch()  # its collectives and these must not interleave
         if prepared.generation != self._generation:
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
         started = time.perf_counter()
@@ -793,6 +795,7 @@ class EngineFollower:
         """Rehash everything the engine holds of the chain against the trainer's checksums: each
         worker the elements it owns, summed over the group; `ChecksumError` if any payload differs
         (then the next step is written whole, from a base)."""
+        self._stop_prefetch()  # its collectives and these must not interleave
         if self._held is None:
             raise SnapshotNotFoundError("the engine holds no step of the chain yet")
         try:
@@ -882,17 +885,19 @@ class EngineFollower:
         return self._take(step, verify=True)
 
     def _take(self, step: int | None, verify: bool) -> tuple[EngineStep, bool]:
-        ready = self._stop_prefetch()
+        self._stop_prefetch()
+        ready, self._ready = self._ready, None
         wanted = self.newest() if step is None else step
         if ready is not None and ready.generation == self._generation and ready.step == wanted:
             return ready, True
         return self._prepare_step(wanted, verify), False
 
-    def _stop_prefetch(self) -> EngineStep | None:
-        """The prefetched step, if one is ready, once the prefetcher has stopped: never while it may
-        still take part in a collective of the group (the next call waits for it again)."""
+    def _stop_prefetch(self) -> None:
+        """Stop the prefetcher, keeping the step it made ready for `take`: every use of the group
+        outside the prefetcher comes after this, never while it may still be in a collective (the
+        next call waits for it again)."""
         if self._prefetch is None:
-            return None
+            return
         thread, stop, result = self._prefetch
         stop.set()
         thread.join(self.stop_seconds)
@@ -903,7 +908,8 @@ class EngineFollower:
                 "for it again"
             )
         self._prefetch = None
-        return result[0] if result and isinstance(result[0], EngineStep) else None
+        if result and isinstance(result[0], EngineStep):
+            self._ready = result[0]
 
     def close(self) -> None:
         self._stop_prefetch()

@@ -188,6 +188,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             params = dict(self.model.named_parameters())
             with set_current_vllm_config(self.vllm_config):
                 view_map = ViewMap.learn(specs, self._load_one, params, self._refuse, by_module=True)
+            view_map.refuse_derived(self.model)
         except Exception as err:
             failure = err
         if group is not None:
@@ -279,13 +280,27 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         self.model.load_weights([(name, tensor)])
 
     def _refuse(self, param: str) -> str | None:
-        """Why `param` cannot be written in place, if its layer computes from a packed copy."""
+        """Why `param` cannot be written in place, if its layer may compute from a copy of it.
+
+        On the CPU, vLLM's linear layers compute through `cpu_linear`: in place only where that is
+        `torch.nn.functional.linear` of the layer's own weight (a function that names nothing else
+        and captures nothing); a layer with a quantization method and no `cpu_linear` (a vLLM that
+        renamed it) is refused, not guessed."""
         layer = self.model.get_submodule(param.rsplit(".", 1)[0]) if "." in param else self.model
         kernel = getattr(layer, "cpu_linear", None)
+        if kernel is None:
+            if self.device.type == "cpu" and getattr(layer, "quant_method", None) is not None:
+                return "its layer has no cpu_linear, so how it computes on the CPU is unknown"
+            return None
+        if kernel is torch.nn.functional.linear:
+            return None
         names = getattr(getattr(kernel, "__code__", None), "co_names", ())
-        if kernel is not None and names != ("torch", "nn", "functional", "linear"):
-            return f"its layer computes from a prepacked copy ({'.'.join(names) or 'a CPU kernel'})"
-        return None
+        captured = getattr(kernel, "__closure__", None) or any(
+            isinstance(d, Tensor) for d in getattr(kernel, "__defaults__", None) or ()
+        )
+        if names == ("torch", "nn", "functional", "linear") and not captured:
+            return None
+        return f"its layer computes from a prepacked copy ({'.'.join(names) or 'a CPU kernel'})"
 
     def _reload(self, tensors: Mapping[str, Tensor]) -> None:
         """vLLM's layerwise reload of every tensor kept here (prepacked or quantized layers process
