@@ -176,6 +176,7 @@ def reload_fails(work: str) -> dict[str, Any]:
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "errors": {}}
+    llm.collective_rpc(_count_untouched)
 
     def update(step: int, key: str) -> None:
         llm.start_weight_update()
@@ -205,7 +206,26 @@ def reload_fails(work: str) -> dict[str, Any]:
     update(1, "unloadable")
     update(2, "unloadable_again")
     result["unloadable_calls"] = llm.collective_rpc(_failed_calls)[0]
+    result["untouched_said"] = llm.collective_rpc(_untouched_said)[0]
     return result
+
+
+def _count_untouched(worker: Any) -> None:
+    """Count vLLM's "Failed to load weights" lines that get past the backend's reload."""
+    import logging
+
+    class Count(logging.Handler):
+        said = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            Count.said += "Failed to load weights" in record.getMessage()
+
+    worker.weight_transfer_engine._untouched = Count
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addHandler(Count())
+
+
+def _untouched_said(worker: Any) -> int:
+    return worker.weight_transfer_engine._untouched.said
 
 
 def _fail_reloads(worker: Any, times: int, refused: str | None) -> None:
@@ -254,7 +274,7 @@ def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
 
 def _verify(worker: Any) -> str:
     try:
-        worker.weight_transfer_engine.follower.verify()
+        worker.weight_transfer_engine.verify()  # full_check="on_demand"'s trigger
     except Exception as err:
         return type(err).__name__
     return "clean"

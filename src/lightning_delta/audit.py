@@ -61,6 +61,8 @@ class Unreadable:
 
 @dataclass
 class Audit:
+    """What `audit` found: clean only if every object checks and every reader rebuilds every step."""
+
     steps: list[int]  # the complete steps checked
     objects: int = 0  # stored objects checked for their bytes
     damaged: list[Damage] = field(default_factory=list)

@@ -22,6 +22,7 @@ that fails leaves the engine serving the previous one, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -151,6 +152,21 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
     step: int | None = None
 
 
+class _Untouched(logging.Filter):
+    """Drops, and counts, vLLM's "Failed to load weights" for the layers a reload hands nothing:
+    it hands only the kept tensors, so every other layer says it once a reload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            self.count += 1
+            return False
+        return True
+
+
 class ReloadError(DeltaError, RuntimeError):
     """vLLM's layerwise reload raised: the layers it had processed hold the new step, the others the
     old one, so the engine holds no step of the chain until it re-syncs from a base."""
@@ -270,6 +286,18 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     def finish_weight_update(self) -> None:
         """Nothing to finish: the step is in the engine once `update_weights` returns."""
 
+    def verify(self) -> None:
+        """The full check now (`full_check="on_demand"`'s trigger; every worker of the group calls
+        it together, through `llm.collective_rpc`): `ChecksumError` if the engine's weights are no
+        longer the step applied, and then the next update loads a step from its base."""
+        if self.follower is None:
+            raise RuntimeError("call init_weight_transfer_engine first")
+        try:
+            self.follower.verify()
+        finally:
+            if self._prefetch:
+                self.follower.prefetch(self._poll)
+
     def shutdown(self) -> None:
         if self.follower is not None:
             self.follower.close()
@@ -317,7 +345,11 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         failures: list[str] = []
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        quiet = _Untouched()  # the layers handed nothing keep their weights: expected, not a failure
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addFilter(quiet)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), contextlib.ExitStack() as stack:
+            stack.callback(layerwise.removeFilter, quiet)
             initialize_layerwise_reload(self.model)
             try:
                 for name, tensor in tensors.items():
@@ -339,5 +371,6 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
                         )
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
+        log.debug("lightning_delta: the reload left %d layers as they were (nothing of theirs changed)", quiet.count)
         if failures:
             raise ReloadError(f"vLLM's layerwise reload failed on {'; '.join(failures[:4])}")
