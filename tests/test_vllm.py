@@ -100,7 +100,7 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(tmp_path):
     engine still generates, says it holds no step, and the next update re-syncs it from a base.
     A tensor the model has no parameter for is handed to its loader once, not at every reload.
 
-    Not asserted: that the re-sync after two failed reloads in a row is exact.  In 1 run of 3 its
+    Not asserted: that the re-sync after two failed reloads in a row is exact.  In 2 runs of 4 its
     log-probs were garbage (the follower held step 2, and the next reload was exact again): some
     state of vLLM's layerwise reload outlives a failed one (issue 37, item 4, open)."""
     result = run("reload-fails", tmp_path, plain=False)
