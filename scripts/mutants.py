@@ -54,9 +54,9 @@ MUTANTS = (
         "engine-prepare-checksum",
         "the engine checks a step's changes (walked on the CPU or decoded by torch) before it writes",
         "engine.py",
-        "        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):\n"
+        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n"
         "            if got != want:\n",
-        "        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):\n"
+        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n"
         "            if False:\n",
         ("tests/test_engine.py::-k only_its_checksum and prepare",),
     ),
@@ -112,8 +112,8 @@ MUTANTS = (
         "retention-order",
         "retention deletes steps newest first, markers first: a gc killed at any moment strands no reader",
         "retention.py",
-        "    for step in [] if dry_run else reversed(doomed):\n",
-        "    for step in [] if dry_run else doomed:\n",
+        "    for step in reversed(steps):\n",
+        "    for step in steps:\n",
         ("tests/test_reliability.py::-k killed_at_any_moment",),
     ),
     Mutant(

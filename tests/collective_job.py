@@ -8,7 +8,12 @@ collective of the library:
 * follow: the same replica follows, and rank 1's store fails at its second step;
 * engine: two tensor-parallel workers of the stand-in engine prepare a step, rank 1's store fails;
 * walk: the same workers walk a step into the engine in place, and rank 1's walk fails halfway;
-  then rank 1 forgets the step it holds, and both load the next step from its base.
+  then rank 1 forgets the step it holds, and both load the next step from its base;
+* raw_prepare, raw_init: rank 1's store raises an error it does not classify (not a `DeltaError`);
+* keyerror: rank 1's engine no longer registers a parameter the walk writes;
+* oom_write: rank 1 runs out of memory writing a step from its base, after the walk;
+* prefetch: rank 1's prefetcher fails to list the chain, while rank 0's finds a step; then the
+  full check while the prefetchers poll the group.
 
 Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took;
 and whether `exchange` hands every rank what each sent, for items that fit in the first broadcast's
@@ -60,6 +65,26 @@ class Failing(FsspecObjects):
             self.answers -= 1
             if self.answers < 0:
                 raise StoreError(f"{self.url}: the endpoint is unreachable while reading {key}")
+        return super().get(key, start, end)
+
+
+class Flaky(FsspecObjects):
+    """A store whose next `lists` listings fail as an unreachable endpoint does, and whose reads raise
+    an error the library does not classify (a bug, an unknown client error) while `raw` is set."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.lists, self.raw = 0, False
+
+    def list(self, key: str) -> list[str]:
+        if self.lists > 0:
+            self.lists -= 1
+            raise StoreError(f"{self.url}: the endpoint is unreachable while listing {key}")
+        return super().list(key)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if self.raw:
+            raise RuntimeError(f"an unclassified failure reading {key}")
         return super().get(key, start, end)
 
 
@@ -159,6 +184,49 @@ def main() -> None:
     prepared, _, _ = walker.update(3)
     walker.verify()
     report["differ_then"] = [prepared.held is None, prepared.step]  # both loaded step 3 from its base
+
+    # the faults of one worker that are not `DeltaError`s, or that met a background thread: every
+    # worker reaches the same decision, and then goes on
+    flaky = Flaky(fused)
+
+    def params() -> dict[str, torch.Tensor]:
+        return dict(engine.named_parameters())
+
+    mixed = EngineFollower(Store(flaky), view_map, params, reload, group=dist.group.WORLD)
+    mixed.update(2)
+    flaky.raw = rank == 1  # worker 1's reads fail with an error the store does not classify
+    report["raw_prepare"] = outcome(lambda: mixed.prepare(3))
+    other = Store(flaky) if rank == 1 else Store(fused)
+    report["raw_init"] = outcome(lambda: EngineFollower(other, view_map, params, None, group=dist.group.WORLD))
+    flaky.raw = False
+
+    if rank == 1:  # a parameter the engine no longer registers: a KeyError in a walk
+        mixed._params = lambda: {k: v for k, v in params().items() if k != "o"}
+    report["keyerror"] = outcome(lambda: mixed.update(3))
+    mixed._params = params
+    report["keyerror_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
+
+    write_slice = EngineFollower._write_slice
+
+    def out_of_memory(self: EngineFollower, *args: object) -> bool:
+        raise torch.OutOfMemoryError("out of memory while writing a whole payload")
+
+    if rank == 1:
+        EngineFollower._write_slice = out_of_memory  # type: ignore[method-assign]
+    mixed._held = None  # both load step 5 from its base: every payload is written whole
+    report["oom_write"] = outcome(lambda: mixed.update(5))
+    EngineFollower._write_slice = write_slice  # type: ignore[method-assign]
+    report["oom_held"] = mixed.held_step
+    report["oom_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]
+
+    if rank == 1:  # its prefetcher's first listing fails, while worker 0's finds step 8
+        flaky.lists = 1
+    mixed.prefetch(0.01)
+    report["prefetch"] = outcome(lambda: mixed.update(None))
+    report["prefetch_then"] = [mixed.held_step, outcome(mixed.verify)[0], flaky.lists]
+    mixed.prefetch(0.001)  # no newer step: its prefetcher polls the group, a decision each time
+    report["verify_prefetching"] = [outcome(mixed.verify)[0] for _ in range(20)]
+    mixed.close()
 
     # `exchange` at the edges of its head (128 int64 slots: status, count, sizes, then the items
     # where they fit): every pair of these item sizes, one rank sending each

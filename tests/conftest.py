@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import importlib.util
@@ -135,12 +136,31 @@ def run_all(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> s
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stray = _descendants(proc.pid)  # torchrun starts its ranks in sessions of their own
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid in stray:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             pytest.fail(f"{what} hung for {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{what} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc (Linux): those that left its process group too."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 @pytest.fixture

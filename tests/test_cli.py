@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, bitwise_equal
+from conftest import ROOT, bitwise_equal, replace_blob, torchrun
 from lightning_delta import DeltaLoader, Store
 from lightning_delta import format as fmt
 from lightning_delta.cli import main
@@ -87,8 +88,6 @@ def test_inspect(chain, capsys):
 
 def test_verify_is_clean_then_names_a_planted_corruption(chain, tmp_path, capsys):
     assert run_cli(capsys, "verify", chain)[0] == 0
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(chain, broken)
     blob = broken / fmt.blob_path(8, 0, 1)
@@ -99,8 +98,58 @@ def test_verify_is_clean_then_names_a_planted_corruption(chain, tmp_path, capsys
     report = json.loads(out)
     assert code == 1
     assert [p["step"] for p in report["problems"]] == [8, 9, 10]  # 11 is a base: the chain recovers
-    assert report["problems"][0]["error"] == "ChecksumError"
+    assert report["problems"][0]["readers"] == ["follower", "joiner"]
+    assert [(d["step"], d["part"], d["error"]) for d in report["damaged"]] == [(8, "delta", "ChecksumError")]
     assert run_cli(capsys, "verify", str(broken), "--step", "12")[0] == 0
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    """A chain of two trainer ranks: 8 steps, bases at 1 and 5, each with its bridge."""
+    store = tmp_path_factory.mktemp("two") / "store"
+    torchrun(ROOT / "tests" / "chain_job.py", str(store))
+    return str(store)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("bridge", [False, True])
+@pytest.mark.parametrize("consistent", [False, True])
+def test_verify_reads_every_object_and_names_the_readers_each_damaged_one_breaks(
+    two_ranks, tmp_path, capsys, rank, bridge, consistent
+):
+    """A loader that holds the step before takes a base step by its bridge, and one that holds
+    nothing by its base: each of the four objects of step 5 damaged alone, `verify` finds it, and
+    says who cannot read past it.  `consistent`: the marker is re-signed, so that only the
+    trainer's checksums of the rebuilt values can catch it."""
+    assert run_cli(capsys, "verify", two_ranks)[0] == 0
+    broken = tmp_path / "store"
+    shutil.copytree(two_ranks, broken)
+    store = Store(str(broken))
+    path = broken / fmt.blob_path(5, rank, 2, bridge=bridge)
+    data = bytearray(path.read_bytes())
+    data[-(len(data) // 4)] ^= 0x01  # inside the last payload
+    if consistent:
+        replace_blob(store, 5, rank, 2, bytes(data), bridge=bridge)
+    else:
+        path.write_bytes(bytes(data))
+    code, out, _ = run_cli(capsys, "verify", str(broken), "--json")
+    report = json.loads(out)
+    assert code == 1 and report["objects"] == 2 * (8 + 1)  # a part per rank and step, and a bridge beside base 5
+    readers = ["follower"] if bridge else ["joiner"]
+    assert {p["step"]: p["readers"] for p in report["problems"]} == {
+        s: readers for s in ([5] if bridge else [5, 6, 7, 8])
+    }
+    if consistent:  # its bytes match its marker: the rebuild is what catches it
+        assert report["damaged"] == [] and report["problems"][0]["error"] in ("ChecksumError", "FormatError")
+    else:
+        [damaged] = report["damaged"]
+        assert (damaged["step"], damaged["rank"], damaged["part"]) == (5, rank, "bridge" if bridge else "base")
+        expected = "a follower in sync at step 4" if bridge else "a joiner at step 5-8"
+        assert damaged["error"] == "ChecksumError" and damaged["breaks"][0].startswith(expected)
+    code, out, _ = run_cli(capsys, "verify", str(broken))
+    assert code == 1 and "cannot rebuild it" in out and "broken steps" in out
+    assert run_cli(capsys, "verify", str(broken), "--step", "4")[0] == 0
+    assert run_cli(capsys, "verify", str(broken), "--step", "5")[0] == 1
 
 
 def test_materialize_equals_the_loader_bit_for_bit(chain, tmp_path, capsys):

@@ -203,8 +203,9 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     """No rank is left waiting: a publisher's claim on a prefix rank 0 cannot write, a replica's load
     and follow, and an engine's prepare, where one rank's store fails; an engine's in-place walk,
     where one worker's walk fails halfway (both then hold the step they held), and where the workers
-    hold different steps (both load the next from its base).  Every rank raises
-    the failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
+    hold different steps (both load the next from its base); errors that are not `DeltaError`s in a
+    prepare, a walk, a write and at init, and a store error in one worker's prefetcher.  Every rank
+    raises the failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
     torchrun(ROOT / "tests" / "collective_job.py", str(tmp_path), timeout=240)
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
@@ -220,6 +221,22 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     assert [reports[0]["walk_calls"], reports[1]["walk_calls"]] == [walked, 2]
     assert reports[0]["differ_then"] == reports[1]["differ_then"] == [True, 3]
     assert "worker 1 of the group" in reports[0]["walk"][2]
+    # errors that are not `DeltaError`s: a `DeltaError` on every worker, naming worker 1, then both go on
+    for case, kind in (("raw_prepare", "RuntimeError"), ("raw_init", "RuntimeError"), ("keyerror", "KeyError")):
+        for report in reports:
+            assert report[case][0] == "DeltaError", (case, report[case])
+            assert f"worker 1 of the group: {kind}" in report[case][2], (case, report[case])
+    for report in reports:
+        assert report["keyerror_then"] == ["ok", 4, "ok"]
+        # written in part on rank 0, not at all on rank 1: both hold no step, and re-sync from a base
+        assert (
+            report["oom_write"][0] == "DeltaError"
+            and "worker 1 of the group: OutOfMemoryError" in report["oom_write"][2]
+        )
+        assert report["oom_held"] is None and report["oom_then"] == ["ok", 6, "ok"]
+        # rank 1's prefetcher met a store error: both prefetchers stop on it, and the update fetches again
+        assert report["prefetch"][0] == "ok" and report["prefetch_then"] == [8, "ok", 0], report["prefetch"]
+        assert report["verify_prefetching"] == ["ok"] * 20  # the check stops the prefetcher first
 
 
 # ----------------------------------------------------------------------------- stores that fill out of order

@@ -5,6 +5,7 @@ The real vLLM engine is in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -12,13 +13,24 @@ import torch
 from conftest import ROOT, replace_blob, torchrun
 from forge import MESSAGE, forge_value
 from fused import DIM, HIDDEN, Engine, checkpoint
-from lightning_delta import ChecksumError, DeltaError, DeltaPublisher, PublisherSettings, Store, codec, sparse_walk
+from lightning_delta import (
+    ChecksumError,
+    DeltaError,
+    DeltaPublisher,
+    PublisherSettings,
+    Store,
+    StoreError,
+    codec,
+    sparse_walk,
+)
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta import publisher as publisher_module
 from lightning_delta.codec import CodecOptions, Context, Mode
-from lightning_delta.engine import EngineFollower
+from lightning_delta.engine import EngineFollower, PrefetchTimeoutError
+from lightning_delta.objects import FsspecObjects
 from lightning_delta.patch import views
+from lightning_delta.reader import ChainReader
 from lightning_delta.viewmap import Box, ViewMap
 
 STEPS = 8
@@ -176,6 +188,212 @@ def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, wal
         live.update(3)
     assert walks[0] - walked == len(part.entries)  # every payload of step 3 was walked, then taken back
     assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+
+
+class _Stalling(FsspecObjects):
+    """A store whose listings wait, once `stalled` is cleared, until it is set again (a store that
+    does not answer), for 20 s at most."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.stalled, self.waiting = threading.Event(), threading.Event()
+        self.stalled.set()
+
+    def list(self, key: str) -> list[str]:
+        if not self.stalled.is_set():
+            self.waiting.set()
+            if not self.stalled.wait(20):  # bounded, so that a test that would hang fails instead
+                raise StoreError(f"{self.url}: no answer while listing {key}")
+        return super().list(key)
+
+
+def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_again(store_url):
+    """The follower never uses the group while its prefetcher may still be in a collective: it
+    raises instead of waiting forever, and the next call waits for the prefetcher again."""
+    truth = publish(store_url)
+    objects, engine = _Stalling(store_url), Engine()
+    live = follower(store_url, engine)
+    live.store, live._reader = Store(objects), ChainReader(Store(objects))
+    live.stop_seconds = 0.05
+    live.update(2)
+    objects.stalled.clear()
+    live.prefetch(0.01)
+    assert objects.waiting.wait(60)
+    for _ in range(2):
+        with pytest.raises(PrefetchTimeoutError, match="did not stop"):
+            live.update(None)
+    assert live.held_step == 2 and exact(engine, truth[2])
+    objects.stalled.set()
+    live.stop_seconds = 60
+    live.update(None)
+    assert live.held_step == STEPS and exact(engine, truth[STEPS])
+    live.close()
+
+
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url):
+    """The end of a write (the engine's reload of the tensors it cannot take in place) cannot be
+    taken back: where it raises, the follower holds no step and loads the step again from its base
+    at once; where that fails too, it says so, and the next update re-syncs."""
+    truth = publish(store_url)
+    engine = Engine(cast_norm=True)  # the norm is cast: kept, and handed to the reload
+    live = follower(store_url, engine)
+    reload, calls = live._reload, []
+
+    def failing(times: int):
+        def call(tensors: dict[str, torch.Tensor]) -> None:
+            calls.append(sorted(tensors))
+            if len(calls) <= times:
+                engine.norm.data.fill_(float("nan"))  # as a layer processed from half its weights would
+                raise RuntimeError("the reload failed halfway")
+            assert reload is not None
+            reload(tensors)
+
+        return call
+
+    live.update(2)
+    live._reload = failing(1)
+    prepared, _, _ = live.update(3)  # the reload raised once: step 3 again, from the base at 1
+    assert calls == [["layer.norm", "layer.rope"]] * 2 and prepared.held is None
+    assert live.held_step == 3 and exact(engine, truth[3])
+    live.verify()
+
+    calls.clear()
+    live._reload = failing(2)  # and again as it re-syncs: the follower holds no step
+    with pytest.raises(DeltaError, match="the reload failed halfway"):
+        live.update(4)
+    assert live.held_step is None and len(calls) == 2
+    prepared, _, _ = live.update(4)  # the next update loads from a base
+    assert prepared.held is None and live.held_step == 4 and exact(engine, truth[4])
+    live.verify()
+
+
+class _Layered(torch.nn.Module):
+    """Two modules, as an engine lays them out: `proj`'s weight is cast on load (so refused, and
+    reloaded) beside its bias, a plain view; `norm` holds plain views only.  Its reload rebuilds
+    each module it hands anything from what it received, as vLLM's layerwise reload does: a
+    parameter of that module it received nothing for is uninitialised memory (NaN here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, 8, dtype=torch.float32)
+        self.proj.bias.data = torch.zeros(8, dtype=torch.bfloat16)
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.bfloat16), requires_grad=False)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.get_parameter(name).data.copy_(tensor)
+
+    @torch.no_grad()
+    def reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        for module in {name.rsplit(".", 1)[0] for name in tensors}:
+            for param in self.get_submodule(module).parameters():
+                param.data.fill_(float("nan"))
+        for name, tensor in tensors.items():
+            self.load(name, tensor)
+
+
+@pytest.mark.parametrize("by_module", [True, False])
+def test_a_module_goes_in_place_or_through_the_reload_as_a_whole(store_url, by_module):
+    torch.manual_seed(0)
+    state = {
+        "proj.weight": torch.randn(8, DIM).to(torch.bfloat16),
+        "proj.bias": torch.randn(8).to(torch.bfloat16),
+        "norm.weight": torch.randn(DIM).to(torch.bfloat16),
+    }
+    truth = {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, 4):
+            for tensor in state.values():
+                tensor.view(torch.int16)[..., :2] += 1  # every tensor changes at every step
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = _Layered()
+    specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
+    params = dict(engine.named_parameters())
+    view_map = ViewMap.learn(specs, engine.load, params, by_module=by_module)
+    assert "proj.weight" in view_map.refused and "norm.weight" in view_map.boxes
+    live = EngineFollower(Store(store_url), view_map, lambda: dict(engine.named_parameters()), engine.reload)
+    for step in (1, 2, 3):
+        live.update(step)
+        bias = engine.proj.bias.view(torch.int16)
+        assert torch.equal(engine.norm.weight.view(torch.int16), truth[step]["norm.weight"].view(torch.int16))
+        if not by_module:  # the bias written in place, then wiped as its module is rebuilt without it
+            assert engine.proj.bias.isnan().all()
+            return
+        assert "its module (proj) is reloaded" in view_map.refused["proj.bias"]
+        assert torch.equal(bias, truth[step]["proj.bias"].view(torch.int16))
+        assert torch.equal(engine.proj.weight.to(torch.bfloat16), truth[step]["proj.weight"])
+
+
+class _Derived(torch.nn.Module):
+    """MLA's layout in miniature: `attn` derives `W` (a parameter no checkpoint tensor is copied
+    into) from `attn.kv.weight` after loading, and reads only `W`; `kv` is registered twice, as
+    vLLM's MLA registers `kv_b_proj`.  Its reload loads, then processes `attn` again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = torch.nn.Linear(DIM, 8, bias=False, dtype=torch.bfloat16)
+        self.attn = torch.nn.Module()
+        self.attn.kv = self.kv
+        self.attn.W = torch.nn.Parameter(torch.zeros(DIM, 8, dtype=torch.bfloat16))
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.bfloat16))
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.get_parameter(name).data.copy_(tensor)
+
+    @torch.no_grad()
+    def process(self) -> None:
+        self.attn.W.data.copy_(self.kv.weight.t())
+
+    def reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.load(name, tensor)
+        self.process()
+
+
+def test_a_parameter_that_feeds_a_copy_made_after_loading_is_never_written_only_in_place(store_url):
+    torch.manual_seed(0)
+    state = {"kv.weight": torch.randn(8, DIM).to(torch.bfloat16), "norm.weight": torch.randn(DIM).to(torch.bfloat16)}
+    truth = {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, 4):
+            for tensor in state.values():
+                tensor.view(torch.int16)[..., :2] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = _Derived()
+    specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
+    view_map = ViewMap.learn(specs, engine.load, dict(engine.named_parameters()), by_module=True)
+    assert set(view_map.boxes) == {"kv.weight", "norm.weight"}  # plain views, as far as the loader shows
+    view_map.refuse_derived(engine)
+    assert set(view_map.boxes) == {"norm.weight"} and "feeds attn.W" in view_map.refused["kv.weight"]
+    live = EngineFollower(Store(store_url), view_map, lambda: dict(engine.named_parameters()), engine.reload)
+    for step in (1, 2, 3):
+        live.update(step)
+        assert torch.equal(engine.attn.W.t().contiguous().view(torch.int16), truth[step]["kv.weight"].view(torch.int16))
+        assert torch.equal(engine.norm.weight.view(torch.int16), truth[step]["norm.weight"].view(torch.int16))
+
+
+def test_the_view_map_finds_the_parameter_in_a_shared_storage_and_refuses_a_copy_past_its_end():
+    """Parameters carved out of one storage (an engine's memory pool): each copy is placed in the
+    parameter it starts in, and one that runs past that parameter's end is refused."""
+    pool = torch.zeros(24, dtype=torch.bfloat16)
+    params = {"p": pool[:8], "q": pool[8:16], "r": pool[16:24]}
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        at = {"a": 8, "b": 4, "c": 16}[name]
+        pool[at : at + 8].copy_(tensor)
+
+    specs = {n: ((8,), torch.bfloat16) for n in "abc"}
+    view_map = ViewMap.learn(specs, load, params)
+    assert view_map.boxes["a"] == (Box((0,), (8,), "q", 0, (1,)),)
+    assert view_map.boxes["c"] == (Box((0,), (8,), "r", 0, (1,)),)
+    assert "past the ends of p" in view_map.refused["b"]
 
 
 def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):

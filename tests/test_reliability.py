@@ -134,7 +134,7 @@ def test_a_foreign_part_is_a_chain_error_and_verify_names_it(store_url, other_ru
         DeltaLoader(store_url).state_dict(6)
     assert main(["verify", store_url]) == 1
     out = capsys.readouterr().out
-    assert "step 6: ChainError" in out and "foreign part" in out and "step 5:" not in out
+    assert "step 6 rank 0 delta: ChainError" in out and "foreign part" in out and "step 5:" not in out
 
 
 def test_parts_whose_links_do_not_meet_are_a_chain_error_not_a_skipped_step(store_url):

@@ -56,6 +56,22 @@ def assert_followed(result: dict, compared: set[int]) -> None:
     assert result["version"] == "6"
 
 
+def test_the_plugin_entry_point_never_breaks_vllms_startup():
+    """vLLM runs `register` unguarded in each of its processes: it registers once, turns prepacking
+    off with one line, and where vLLM's factory or flag moved it says so in one line and adds
+    nothing, never raising."""
+    env = {**os.environ, "PYTHONPATH": VLLM_PATH}
+    proc = run_all([str(PYTHON), str(ROOT / "tests" / "vllm_register_job.py")], env, 300, "register")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["registered"] and report["onednn"] is False
+    [plain] = report["plain"]
+    assert plain.startswith("INFO") and "oneDNN prepacking of linear weights is off in this process" in plain
+    [moved] = report["moved"]
+    assert moved.startswith("WARNING lightning_delta: not registered") and report["unregistered"]
+    [no_flag] = report["no_flag"]
+    assert no_flag.startswith("WARNING") and "_supports_onednn is gone" in no_flag
+
+
 def test_an_engine_with_plain_weights_takes_each_step_in_place(tmp_path):
     result = run("offline", tmp_path, plain=True)
     assert result["paths"] == [[[21, 2886144], [0, 0]]]  # every tensor, written in place
@@ -76,6 +92,30 @@ def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reloa
     # the norms in place; the linear layers, embedding and head (prepacked by oneDNN) reloaded
     assert result["paths"] == [[[5, 2560], [16, 2883584]]]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
+
+
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(tmp_path):
+    """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
+    device, and the step is loaded again from its base at once, exactly; where that fails too, the
+    engine still generates, says it holds no step, and the next update re-syncs it from a base.
+    A tensor the model has no parameter for is handed to its loader once, not at every reload.
+
+    Not asserted: that the re-sync after two failed reloads in a row is exact.  In 2 runs of 4 its
+    log-probs were garbage (the follower held step 2, and the next reload was exact again): some
+    state of vLLM's layerwise reload outlives a failed one (issue 37, item 4, open)."""
+    result = run("reload-fails", tmp_path, plain=False)
+    assert result["paths"] == [[[5, 2560], [16, 2883584]]]
+    assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
+    numel = result["once"]["report"]["numel"]
+    assert result["once"]["report"]["changed"] == numel  # re-synced from the base
+    assert "the loader failed halfway" in result["errors"]["always"]
+    assert result["always"]["report"]["step"] is None and result["always"]["logprobs"][0]  # it still generates
+    assert result["after"]["report"]["step"] == 2 and "after" not in result["errors"]
+    assert result["after"]["report"]["changed"] == numel  # from the base
+    assert "unloadable" not in result["errors"] and "unloadable_again" not in result["errors"]
+    assert result["unloadable_calls"]["refused"] == 1
+    assert result["unloadable_calls"]["unloadable"] == ["model.embed_tokens.weight"]
+    assert result["untouched_said"] == 0  # the layers a reload hands nothing are expected, not logged
 
 
 def test_two_tensor_parallel_workers_share_one_download(tmp_path):

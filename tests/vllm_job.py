@@ -17,6 +17,10 @@ Scenarios:
 * forgery: the chain signed by the trainer's key, and the issue's forgery (step 7, every weight
   7.0, published elsewhere under the run's id by two ranks with another key, copied in): an engine
   with `trusted_keys` takes step 6 and refuses step 7, keeping step 6's weights.
+* reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
+  (the step is loaded again from its base at once), then in every reload of an update (the engine
+  says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
+  has no parameter for is handed to its loader once only.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
 (the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test.
@@ -213,6 +217,95 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     return result
 
 
+def reload_fails(work: str) -> dict[str, Any]:
+    from vllm import LLM
+
+    extra = {"distributed_executor_backend": "uni"}
+    fresh = {s: logprobs(LLM(model=f"{work}/step-{s}", **ENGINE, **extra)) for s in (1, 2)}
+    llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
+    llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "errors": {}}
+    llm.collective_rpc(_count_untouched)
+
+    def update(step: int, key: str) -> None:
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update(weight_version=str(step))
+        except Exception as err:
+            result["errors"][key] = str(err)[-300:]
+            with contextlib.suppress(Exception):  # closes the update where it is still open
+                llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        result[key] = {"report": llm.collective_rpc(_report)[0], "logprobs": logprobs(llm)}
+
+    update(1, "first")
+    result["first"]["equal"] = result["first"]["logprobs"] == fresh[1]
+    llm.collective_rpc(_fail_reloads, args=(1, None))  # the next reload raises halfway, once
+    update(2, "once")
+    result["once"]["equal"] = result["once"]["logprobs"] == fresh[2]
+    llm.collective_rpc(_fail_reloads, args=(9, None))  # every reload of the next update raises
+    update(1, "always")  # a step back: from the base at 1, whose write fails
+    llm.collective_rpc(_fail_reloads, args=(0, None))
+    update(2, "after")
+    result["after"]["equal"] = result["after"]["logprobs"] == fresh[2]
+    result["failed_calls"] = llm.collective_rpc(_failed_calls)[0]
+    name = "model.embed_tokens.weight"  # as if the model had no parameter of that name
+    llm.collective_rpc(_fail_reloads, args=(0, name))
+    update(1, "unloadable")
+    update(2, "unloadable_again")
+    result["unloadable_calls"] = llm.collective_rpc(_failed_calls)[0]
+    result["untouched_said"] = llm.collective_rpc(_untouched_said)[0]
+    return result
+
+
+def _count_untouched(worker: Any) -> None:
+    """Count vLLM's "Failed to load weights" lines that get past the backend's reload."""
+    import logging
+
+    class Count(logging.Handler):
+        said = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            Count.said += "Failed to load weights" in record.getMessage()
+
+    worker.weight_transfer_engine._untouched = Count
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addHandler(Count())
+
+
+def _untouched_said(worker: Any) -> int:
+    return worker.weight_transfer_engine._untouched.said
+
+
+def _fail_reloads(worker: Any, times: int, refused: str | None) -> None:
+    """The model's loader raises halfway through each of the next `times` reloads (a call after
+    several tensors went in); with `refused`, it raises on that tensor always, as on one the backend
+    knows no such name."""
+    engine = worker.weight_transfer_engine
+    model = engine.model
+    load = type(model).load_weights.__get__(model)
+    state = {"left": times, "calls": 0, "refused": 0}
+
+    def failing(weights: Any) -> Any:
+        weights = list(weights)
+        state["calls"] += 1
+        if refused is not None and any(n == refused for n, _ in weights):
+            state["refused"] += 1
+            raise KeyError(refused)  # as a model's params_dict[name] does
+        if state["left"] > 0 and state["calls"] % 8 == 4:
+            state["left"] -= 1
+            raise RuntimeError("the loader failed halfway through the reload")
+        return load(weights)
+
+    model.load_weights = failing
+    engine._fail_state = state
+
+
+def _failed_calls(worker: Any) -> dict[str, Any]:
+    engine = worker.weight_transfer_engine
+    return {**engine._fail_state, "unloadable": sorted(engine._unloadable)}
+
+
 NUDGED = "model.layers.0.mlp.down_proj.weight"
 
 
@@ -230,7 +323,7 @@ def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
 
 def _verify(worker: Any) -> str:
     try:
-        worker.weight_transfer_engine.follower.verify()
+        worker.weight_transfer_engine.verify()  # full_check="on_demand"'s trigger
     except Exception as err:
         return type(err).__name__
     return "clean"
@@ -342,6 +435,8 @@ def main() -> None:
         result = offline(work, 2, plain)
     elif scenario == "forgery":
         result = forgery(work)
+    elif scenario == "reload-fails":
+        result = reload_fails(work)
     else:
         result = serve(work)
     with open(f"{work}/result.json", "w") as f:

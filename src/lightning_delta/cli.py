@@ -1,7 +1,7 @@
 """`lightning-delta`: look at, check, export and prune a chain.
 
     lightning-delta inspect STORE                 # the chain as a table, damaged steps marked
-    lightning-delta verify STORE [--step N]       # every link and checksum; exit 0 only if clean
+    lightning-delta verify STORE [--step N]       # every object, by every reader's path; exit 0 only if clean
     lightning-delta materialize STORE --step N OUT.safetensors [--force] [--alias NAME=SOURCE ...]
     lightning-delta materialize STORE --step N OUT_DIR --config MODEL_DIR  # a from_pretrained folder
     lightning-delta cost STORE --regions 3 [--window W] [--join STEP]
@@ -118,29 +118,37 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .loader import DeltaLoader
+    from dataclasses import asdict
+
+    from .audit import audit
 
     store, _ = open_run(args)
-    loader = DeltaLoader(store)
-    complete = loader.steps()
-    steps = [args.step] if args.step is not None else complete
-    problems = []
-    for step in steps:
-        try:
-            loader.state_dict(step)
-        except DeltaError as err:
-            problems.append({"step": step, "error": type(err).__name__, "message": str(err)})
-    incomplete = [s for s in store.published_steps() if s not in complete]
+    found = audit(store, args.step)
+    incomplete = [s for s in store.published_steps() if s not in found.steps] if args.step is None else []
     if args.json:
-        _emit({"checked": steps, "problems": problems, "incomplete": incomplete})
+        _emit(
+            {
+                "checked": found.steps,
+                "objects": found.objects,
+                "damaged": [asdict(d) for d in found.damaged],
+                "problems": [{**asdict(u), "readers": [r.value for r in u.readers]} for u in found.unreadable],
+                "incomplete": incomplete,
+            }
+        )
     else:
-        for p in problems:
-            print(f"step {p['step']}: {p['error']}: {p['message']}")
+        for d in found.damaged:
+            print(f"step {d.step} rank {d.rank} {d.part}: {d.error}: {d.message}")
+            print(f"    breaks {'; '.join(d.breaks)}")
+        for u in found.unreadable:
+            readers = " and ".join(f"a {r.value}" for r in u.readers)
+            print(f"step {u.step}: {readers} cannot rebuild it: {u.error}: {u.message}")
         if incomplete:
             print(f"incomplete (invisible to loaders, not damage): {incomplete}")
-        verdict = "clean" if not problems else f"{len(problems)} broken"
-        print(f"{verdict}: checked {len(steps)} steps of {store.url}")
-    return 1 if problems else 0
+        verdict = (
+            "clean" if found.clean else f"{len(found.damaged)} damaged objects, {len(found.unreadable)} broken steps"
+        )
+        print(f"{verdict}: checked {found.objects} objects of {len(found.steps)} steps of {store.url}")
+    return 0 if found.clean else 1
 
 
 def _materialize(args: argparse.Namespace) -> int:
@@ -332,8 +340,8 @@ def parser() -> argparse.ArgumentParser:
         return c
 
     command("inspect", "the chain as a table", _inspect)
-    verify = command("verify", "check every link and checksum", _verify)
-    verify.add_argument("--step", type=int, help="check only this step (and the chain it needs)")
+    verify = command("verify", "check every stored object, as a joiner and a follower in sync read them", _verify)
+    verify.add_argument("--step", type=int, help="check only this step's objects (and the chain it needs)")
     mat = command("materialize", "write a step as a safetensors file", _materialize)
     mat.add_argument("--step", type=int, required=True)
     mat.add_argument("out", help="output .safetensors path, or with --config an output folder")

@@ -46,7 +46,7 @@ from .replica import exchange, exchange_bytes
 from .store import Store
 from .viewmap import Box, ViewMap
 
-__all__ = ["EngineFollower", "EngineStep"]
+__all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ _CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
 larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
 0.035x-0.062x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
 (scripts/gpu_check.py)."""
+
+
+class PrefetchTimeoutError(DeltaError, TimeoutError):
+    """The background prefetcher did not stop in time: the follower waits for it before it uses
+    the group again."""
 
 
 class _HeldDiffers(ChainError):
@@ -110,6 +115,11 @@ class EngineFollower:
         device: where steps are decoded.
         full_check: when the engine's weights are rehashed in full before a step is written (each
             worker the elements it owns, summed over the group); `verify` does it on demand.
+        stop_seconds: how long stopping the prefetcher waits for it (it may be fetching a step, or
+            waiting in a collective for a worker that is gone) before `PrefetchTimeoutError`.
+
+    Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
+    reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
     """
 
     def __init__(
@@ -122,19 +132,25 @@ class EngineFollower:
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
         full_check: FullCheck = FullCheck.BASE_STEPS,
+        stop_seconds: float = 600.0,
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self._reader = ChainReader(store)
-        run = store.run()
-        self.run = run
-        self._names = [t.name for t in run.manifest.tensors]
-        self._views = [views(run, rank) for rank in range(run.world_size)]
-        self._shapes = [t.shape for t in run.manifest.tensors]
-        specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
-        described = self._gather_json(view_map.describe())
+        mine: dict[str, list[list[list[int]]]] | Exception
+        try:  # a worker that fails here still joins the group's first collective, with its error
+            run = store.run()
+            self.run = run
+            self._names = [t.name for t in run.manifest.tensors]
+            self._views = [views(run, rank) for rank in range(run.world_size)]
+            self._shapes = [t.shape for t in run.manifest.tensors]
+            specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
+            mine = view_map.describe()
+        except Exception as err:
+            mine = err
+        described = self._gather_json(mine)
         self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
         held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes)
         held += sum(t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
@@ -148,6 +164,8 @@ class EngineFollower:
         self._generation = 0
         self._warned_classed = False
         self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
+        self._ready: EngineStep | None = None  # what a stopped prefetcher prepared
+        self.stop_seconds = stop_seconds
 
     # ------------------------------------------------------------------ facts
 
@@ -170,7 +188,7 @@ class EngineFollower:
         try:
             steps = self._reader.steps()
             outcome = steps[-1] if steps else -1
-        except DeltaError as err:
+        except Exception as err:
             outcome = err
         newest = self._decide(outcome)[0]
         if newest < 0:
@@ -221,7 +239,7 @@ class EngineFollower:
         states: list[RankState] = []
         partials: list[int] = []
         expected: list[tuple[int, int, int, int]] = []
-        outcome: BaseException | None = None
+        outcome: Exception | None = None
         changed, params, local, walked = 0, self._params(), False, set()
         arrays: dict[str | int, np.ndarray] = {}
         try:
@@ -254,13 +272,13 @@ class EngineFollower:
                     state = RankState(parts[-1].header, parts[-1].probe, tuple(e.checksum for e in parts[-1].entries))
                 assert state is not None  # no parts: the step is the one held
                 states.append(state)
-        except DeltaError as err:
+        except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it
             outcome = err
-        if self.group is not None and local:  # decoded against its own state, a worker may fail alone
-            exchange_bytes(outcome or b"", self.group, torch.device("cpu"))
-        elif outcome is not None:  # from the bytes every worker holds (or no group): the same everywhere
-            raise outcome
-        for (rank, index, part_step, want), got in zip(expected, self._sum(partials), strict=True):
+        if outcome is not None and (self.group is None or not local):
+            raise outcome  # from the bytes every worker holds (or no group): the same everywhere
+        # decoded against its own state, a worker may fail alone: its error rides with the partial sums
+        sums = self._sum(partials, outcome) if local else []
+        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):
             if got != want:
                 names = [self._names[s.tensor] for s in self._views[rank][index].slices]
                 raise ChecksumError(
@@ -288,7 +306,7 @@ class EngineFollower:
                 for refs, blobs in fetched.values():
                     mine.append(codec.byte_view(json.dumps([asdict(r) for r in refs]).encode()))
                     mine += [codec.byte_view(b) for b in blobs]
-        except DeltaError as err:
+        except Exception as err:
             mine = err
         if self.group is not None:
             received = exchange(mine, self.group, torch.device("cpu"))
@@ -499,27 +517,49 @@ class EngineFollower:
         if a weight was changed behind the follower's back meanwhile, `ChecksumError`, and nothing
         is written.
         """
+        self._stop_prefetch()  # its collectives and these must not interleave
         if prepared.generation != self._generation:
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
         started = time.perf_counter()
         if check and prepared.held is not None:
             self._check_changes(prepared)
         params = self._params()
-        reload = self._walk(prepared, params)
-        for rank, parts in enumerate(prepared.chains):
-            held = prepared.held[rank] if prepared.held else None
-            for i, view in enumerate(self._views[rank]):
-                if (rank, i) in prepared.walked:
-                    continue
-                for patch in self._patches(rank, i, parts, held, params):
-                    if patch.whole is None and (patch.index is None or not patch.index.numel()):
+        reload = self._walk(prepared, params)  # taken back on every worker if any fails
+        failure: Exception | None = None
+        try:  # past the walk nothing is taken back: a failure anywhere means a re-sync everywhere
+            for rank, parts in enumerate(prepared.chains):
+                held = prepared.held[rank] if prepared.held else None
+                for i, view in enumerate(self._views[rank]):
+                    if (rank, i) in prepared.walked:
                         continue
-                    for s, offset in zip(view.slices, view.offsets, strict=False):
-                        reload |= self._write_slice(s, offset, patch, params)
-        if reload:
-            if self._reload is None:
-                raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
-            self._reload(self._kept_tensors())
+                    for patch in self._patches(rank, i, parts, held, params):
+                        if patch.whole is None and (patch.index is None or not patch.index.numel()):
+                            continue
+                        for s, offset in zip(view.slices, view.offsets, strict=False):
+                            reload |= self._write_slice(s, offset, patch, params)
+            if reload:
+                if self._reload is None:
+                    raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
+                self._reload(self._kept_tensors())
+        except Exception as err:
+            failure = err
+        try:
+            if self.group is not None:
+                exchange_bytes(failure or b"", self.group, torch.device("cpu"))
+            elif failure is not None:
+                raise failure
+        except Exception as err:
+            self._held, self._generation = None, self._generation + 1
+            log.warning(
+                "%s: step %d was written only in part (%s); the engine holds no step of the chain until it is "
+                "loaded from a base",
+                self.store.url,
+                prepared.step,
+                err,
+            )
+            if isinstance(err, DeltaError):
+                raise
+            raise DeltaError(f"{type(err).__name__}: {err}") from err
         self._held, self._generation = prepared.states, self._generation + 1
         return time.perf_counter() - started
 
@@ -527,21 +567,26 @@ class EngineFollower:
         """Whether the changes take the values the engine holds now to the trainer's checksums:
         partial sums over the owned changes, summed over the group."""
         assert prepared.held is not None
-        partials, expected, params = [], [], self._params()
-        for rank, (parts, state, held) in enumerate(zip(prepared.chains, prepared.states, prepared.held, strict=True)):
-            for i, view in enumerate(self._views[rank]):
-                if (rank, i) in prepared.walked:
-                    continue  # checked as it is written
-                moved, whole = 0, False
-                for patch in self._patches(rank, i, parts, held, params):
-                    if patch.index is None or patch.step is None:
-                        whole = True
-                        continue
-                    moved += self._partial(view, _Payload(), patch.index, patch.step, params)
-                if not whole:
-                    partials.append(moved & _MASK64)
-                    expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
-        for (rank, i, want), got in zip(expected, self._sum(partials), strict=True):
+        partials, expected, failure = [], [], None
+        try:
+            params = self._params()
+            chains = zip(prepared.chains, prepared.states, prepared.held, strict=True)
+            for rank, (parts, state, held) in enumerate(chains):
+                for i, view in enumerate(self._views[rank]):
+                    if (rank, i) in prepared.walked:
+                        continue  # checked as it is written
+                    moved, whole = 0, False
+                    for patch in self._patches(rank, i, parts, held, params):
+                        if patch.index is None or patch.step is None:
+                            whole = True
+                            continue
+                        moved += self._partial(view, _Payload(), patch.index, patch.step, params)
+                    if not whole:
+                        partials.append(moved & _MASK64)
+                        expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
+        except Exception as err:
+            failure = err
+        for (rank, i, want), got in zip(expected, self._sum(partials, failure), strict=True):
             if got != want:
                 self._held = None  # the engine's weights are not the step held: the next write is whole
                 raise ChecksumError(
@@ -552,14 +597,20 @@ class EngineFollower:
     def update(self, step: int | None) -> tuple[EngineStep, bool, float]:
         """Take `step` (None: the newest; prefetched if it was) and write it: (the step, whether
         it was prefetched, the seconds of the write).  A step whose changes no longer fit the
-        engine's weights is loaded again from a base, which writes every element."""
+        engine's weights, or whose write failed past the point where it can be taken back (the
+        engine's reload raised, say), is loaded again from a base, which writes every element;
+        if that fails too, the follower holds no step, and the next update loads from a base."""
         prepared, prefetched = self._take(step, verify=False)
         try:
             return prepared, prefetched, self.write(prepared, check=prefetched)
         except ChecksumError as err:
             log.warning("%s; loading step %d from its base", err, prepared.step)
-            prepared = self.prepare(prepared.step)
-            return prepared, False, self.write(prepared)
+        except DeltaError as err:  # every worker raised it, and each holds no step if it was written in part
+            if self._held is not None or prepared.held is None:
+                raise  # nothing written, or a failed write from a base, which would fail the same way again
+            log.warning("%s; re-syncing step %d from its base", err, prepared.step)
+        prepared = self.prepare(prepared.step)
+        return prepared, False, self.write(prepared)
 
     def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
         """Write one slice of a payload's patch; True if it went into the kept copies."""
@@ -608,7 +659,7 @@ class EngineFollower:
         arrays: dict[str | int, np.ndarray] = {}
         kept = False
         try:
-            outcome: DeltaError | None = None
+            outcome: Exception | None = None
             try:
                 for rank, i in sorted(prepared.walked):
                     part, held = prepared.chains[rank][0], prepared.held[rank]
@@ -621,7 +672,7 @@ class EngineFollower:
                     assert table is not None
                     kept |= any(walk.wrote(at) for at, name in enumerate(table[1]) if isinstance(name, int))
                     expected.append((rank, i, (part.entries[i].checksum - held.checksums[i]) & _MASK64))
-            except DeltaError as err:
+            except Exception as err:
                 outcome = err
             sums = partials
             if self.group is not None:  # every worker walked the same bytes; a local failure still stops all
@@ -687,14 +738,19 @@ class EngineFollower:
         held as runs or 2-D blocks), with this worker's segment tables: the group walks the same
         payloads, or its partial sums would not line up."""
         tables = {}
-        if sparse_walk.AVAILABLE and self.device.type == "cpu":
-            for rank, payloads in enumerate(self._views):
-                for i, view in enumerate(payloads):
-                    table = self._segment_table(view)
-                    if table is not None:
-                        tables[rank, i] = table
+        mine: list[tuple[int, int]] | Exception
+        try:
+            if sparse_walk.AVAILABLE and self.device.type == "cpu":
+                for rank, payloads in enumerate(self._views):
+                    for i, view in enumerate(payloads):
+                        table = self._segment_table(view)
+                        if table is not None:
+                            tables[rank, i] = table
+            mine = sorted(tables)
+        except Exception as err:
+            mine = err
         walkable = set(tables)
-        for theirs in self._gather_json(sorted(tables)):
+        for theirs in self._gather_json(mine):
             walkable &= {(rank, i) for rank, i in theirs}
         return {key: tables[key] for key in sorted(walkable)}
 
@@ -739,6 +795,7 @@ class EngineFollower:
         """Rehash everything the engine holds of the chain against the trainer's checksums: each
         worker the elements it owns, summed over the group; `ChecksumError` if any payload differs
         (then the next step is written whole, from a base)."""
+        self._stop_prefetch()  # its collectives and these must not interleave
         if self._held is None:
             raise SnapshotNotFoundError("the engine holds no step of the chain yet")
         try:
@@ -748,12 +805,16 @@ class EngineFollower:
             raise
 
     def _check(self, held: list[RankState]) -> None:
-        partials, expected, params = [], [], self._params()
-        for rank, state in enumerate(held):
-            for i, view in enumerate(self._views[rank]):
-                partials.append(self._owned_sum(view, params))
-                expected.append((rank, i, state.header.step, state.checksums[i]))
-        for (rank, i, step, want), got in zip(expected, self._sum(partials), strict=True):
+        partials, expected, failure = [], [], None
+        try:
+            params = self._params()
+            for rank, state in enumerate(held):
+                for i, view in enumerate(self._views[rank]):
+                    partials.append(self._owned_sum(view, params))
+                    expected.append((rank, i, state.header.step, state.checksums[i]))
+        except Exception as err:
+            failure = err
+        for (rank, i, step, want), got in zip(expected, self._sum(partials, failure), strict=True):
             if got != want:
                 raise ChecksumError(
                     f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
@@ -792,8 +853,12 @@ class EngineFollower:
             held = self.held_step
             try:
                 while True:
-                    steps = self._reader.steps(after=held)
-                    choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
+                    choice: int | Exception
+                    try:  # a store error here must reach the decision, or the others wait in it
+                        steps = self._reader.steps(after=held)
+                        choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
+                    except Exception as err:
+                        choice = err
                     decided = self._decide(choice)
                     if _STOP in decided:
                         return
@@ -820,27 +885,38 @@ class EngineFollower:
         return self._take(step, verify=True)
 
     def _take(self, step: int | None, verify: bool) -> tuple[EngineStep, bool]:
-        ready = self._stop_prefetch()
+        self._stop_prefetch()
+        ready, self._ready = self._ready, None
         wanted = self.newest() if step is None else step
         if ready is not None and ready.generation == self._generation and ready.step == wanted:
             return ready, True
         return self._prepare_step(wanted, verify), False
 
-    def _stop_prefetch(self) -> EngineStep | None:
+    def _stop_prefetch(self) -> None:
+        """Stop the prefetcher, keeping the step it made ready for `take`: every use of the group
+        outside the prefetcher comes after this, never while it may still be in a collective (the
+        next call waits for it again)."""
         if self._prefetch is None:
-            return None
+            return
         thread, stop, result = self._prefetch
         stop.set()
-        thread.join()
+        thread.join(self.stop_seconds)
+        if thread.is_alive():
+            raise PrefetchTimeoutError(
+                f"{self.store.url}: the prefetcher did not stop within {self.stop_seconds:g} s (a store that does "
+                "not answer, or a worker of the group that is gone); nothing was written, and the next call waits "
+                "for it again"
+            )
         self._prefetch = None
-        return result[0] if result and isinstance(result[0], EngineStep) else None
+        if result and isinstance(result[0], EngineStep):
+            self._ready = result[0]
 
     def close(self) -> None:
         self._stop_prefetch()
 
     # ------------------------------------------------------------------ group
 
-    def _decide(self, value: int | BaseException) -> list[int]:
+    def _decide(self, value: int | Exception) -> list[int]:
         if self.group is None:
             if isinstance(value, BaseException):
                 raise value
@@ -848,18 +924,25 @@ class EngineFollower:
         mine = value if isinstance(value, BaseException) else str(value).encode()
         return [int(v) for v in exchange_bytes(mine, self.group, torch.device("cpu"))]
 
-    def _sum(self, partials: list[int]) -> list[int]:
-        """The group's sums of each partial checksum, mod 2**64."""
-        if self.group is None or not partials:
+    def _sum(self, partials: list[int], failure: Exception | None = None) -> list[int]:
+        """The group's sums of each partial checksum, mod 2**64; or, on every worker, the error
+        `failure` of any worker that could not compute its partials."""
+        if self.group is None:
+            if failure is not None:
+                raise failure
             return [p & _MASK64 for p in partials]
-        signed = torch.tensor([p - (1 << 64) if p >= 1 << 63 else p for p in partials], dtype=torch.int64)
-        dist.all_reduce(signed, group=self.group)  # int64 sums wrap: the same sum mod 2**64
-        return [v & _MASK64 for v in signed.tolist()]
+        mine = failure or np.array(partials, dtype=np.uint64).tobytes()
+        every = [np.frombuffer(b, dtype=np.uint64) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
+        return np.stack(every).sum(axis=0, dtype=np.uint64).tolist() if partials else []  # uint64 sums wrap
 
     def _gather_json(self, value: object) -> list[Any]:
+        """Every worker's `value`, or on every worker the error one met (`value` an exception)."""
         if self.group is None:
+            if isinstance(value, BaseException):
+                raise value
             return [value]
-        return [json.loads(b) for b in exchange_bytes(json.dumps(value).encode(), self.group, torch.device("cpu"))]
+        mine = value if isinstance(value, BaseException) else json.dumps(value).encode()
+        return [json.loads(b) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
 
 
 def _overlay(patch: _Payload, at: Tensor) -> Tensor:

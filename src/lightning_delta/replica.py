@@ -51,7 +51,10 @@ def exchange(
     rank's, or the error it met.
 
     If any rank failed, every rank raises once all broadcasts are done: the failing rank its own
-    error, the others the first failing rank's, as the same `DeltaError` subclass.
+    error, the others the first failing rank's, as the same `DeltaError` subclass.  An error that
+    is not a `DeltaError` (an out-of-memory, a bug) is a `DeltaError` on every rank, the failing
+    one included (raised from the original), so that a caller's `except DeltaError` is taken on
+    all of them or none.
     """
     me, size = dist.get_rank(group), dist.get_world_size(group)
     received: list[list[Tensor]] = []
@@ -93,8 +96,10 @@ def exchange(
             failure = (src, kind, message)
         received.append(pieces)
     if failure is not None:
-        if isinstance(mine, BaseException):
+        if isinstance(mine, DeltaError) or (isinstance(mine, BaseException) and not isinstance(mine, Exception)):
             raise mine
+        if isinstance(mine, BaseException):  # as the others raise it: one decision, one type
+            raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
         src, kind, message = failure
         raise errors.by_name(kind)(f"worker {src} of the group: {message}")
     return received

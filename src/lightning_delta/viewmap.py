@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -102,6 +102,10 @@ class ViewMap:
 
     boxes: dict[str, tuple[Box, ...]]
     refused: dict[str, str]  # checkpoint tensor name -> why it is not a plain view
+    homes: dict[str, frozenset[str]] = field(default_factory=dict)
+    """The parameters the loader copied each tensor into, mapped or refused: which modules it is in."""
+    by_module: bool = False
+    """Whether a module goes in place or through the reload as a whole (`_whole_modules`)."""
 
     @classmethod
     def learn(
@@ -110,13 +114,21 @@ class ViewMap:
         load: Callable[[str, Tensor], None],
         params: Mapping[str, Tensor],
         refuse: Callable[[str], str | None] = lambda param: None,
+        *,
+        by_module: bool = False,
     ) -> ViewMap:
         """Run `load(name, tensor)` (the engine's loader) on a meta tensor of each checkpoint tensor
         in `specs` and keep the plain views it makes into `params`; `refuse(param)` may name a
-        reason a parameter cannot be written in place (its layer computes from a packed copy)."""
-        by_storage = {t.untyped_storage().data_ptr(): (name, t) for name, t in params.items() if t.numel()}
+        reason a parameter cannot be written in place (its layer computes from a packed copy).
+        With `by_module` (an engine whose reload rebuilds each module it touches from what it
+        receives, as vLLM's layerwise reload does), a module goes one way or the other as a whole."""
+        by_storage: dict[int, list[tuple[str, Tensor]]] = {}  # parameters may share a storage
+        for param_name, t in params.items():
+            if t.numel():
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((param_name, t))
         boxes: dict[str, tuple[Box, ...]] = {}
         refused: dict[str, str] = {}
+        homes: dict[str, frozenset[str]] = {}
         for name, (shape, dtype) in specs.items():
             probe = torch.empty(shape, dtype=dtype, device="meta")
             recorder = _Copies(probe)
@@ -126,6 +138,10 @@ class ViewMap:
             except Exception as err:  # the loader cannot take it as it is: not a plain view
                 refused[name] = f"the loader failed on it ({type(err).__name__}: {str(err)[:120]})"
                 continue
+            finally:
+                homes[name] = frozenset(
+                    home[0] for dst, _ in recorder.copies if not dst.is_meta and (home := _home(dst, by_storage))
+                )
             try:
                 found = tuple(_box(probe, dst, src, by_storage, refuse) for dst, src in recorder.copies)
                 if not found:
@@ -136,7 +152,34 @@ class ViewMap:
                 refused[name] = str(why)
                 continue
             boxes[name] = found
-        return cls(boxes, refused)
+        view_map = cls(boxes, refused, homes, by_module)
+        view_map._whole_modules()
+        return view_map
+
+    def refuse_derived(self, model: torch.nn.Module) -> None:
+        """Refuse every tensor written into a parameter whose values feed copies made after loading.
+
+        A module that holds a parameter no checkpoint tensor was copied into (one its processing
+        computed after loading: MLA's `W_UK_T` and `W_UV`, derived from `kv_b_proj`) may compute it
+        from any parameter below it; written in place, those would leave the copy stale.  So every
+        loaded parameter of such a module, its submodules' included (by identity: a submodule may
+        be registered under two names), goes through the reload, which processes the module again.
+        """
+        loaded = {b.param for found in self.boxes.values() for b in found}
+        loaded |= {p for params in self.homes.values() for p in params}
+        by_id = {id(t): name for name, t in model.named_parameters(remove_duplicate=False) if name in loaded}
+        feeding: dict[str, str] = {}
+        for prefix, module in model.named_modules():
+            derived = [n for n, t in module.named_parameters(recurse=False) if t.numel() and id(t) not in by_id]
+            if not derived:
+                continue
+            for t in module.parameters():
+                if id(t) in by_id:
+                    feeding.setdefault(by_id[id(t)], f"{prefix}.{derived[0]}" if prefix else derived[0])
+        for name in [n for n, found in self.boxes.items() if any(b.param in feeding for b in found)]:
+            param = next(b.param for b in self.boxes.pop(name) if b.param in feeding)
+            self.refused[name] = f"{param} feeds {feeding[param]}, a copy made after loading"
+        self._whole_modules()
 
     def describe(self) -> dict[str, list[list[list[int]]]]:
         """The regions this worker holds, by tensor (what workers compare to settle ownership)."""
@@ -165,7 +208,26 @@ class ViewMap:
             owned[name] = tuple(min(w for w, h in enumerate(held) if b.region in h) == rank for b in self.boxes[name])
         for name in set().union(*(w.keys() for w in described)) - self.boxes.keys() - self.refused.keys():
             self.refused[name] = "another tensor-parallel worker could not map it"
-        return owned
+        self._whole_modules()  # the same on every worker: they refuse the same tensors, of the same modules
+        return {name: mine for name, mine in owned.items() if name in self.boxes}
+
+    def _whole_modules(self) -> None:
+        """Refuse every tensor of a module that holds a refused one.  An engine's layerwise reload
+        rebuilds each module it touches from what it receives (vLLM's moves whole modules to the
+        meta device): a tensor written in place beside a reloaded one would come back as
+        uninitialised memory, so a module goes in place, or through the reload, as a whole."""
+        while self.by_module:
+            reloaded = {_module(p) for name in self.refused for p in self.homes.get(name, ())}
+            joining = [
+                name
+                for name, found in self.boxes.items()
+                if {_module(p) for p in self.homes.get(name, frozenset(b.param for b in found))} & reloaded
+            ]
+            if not joining:
+                return
+            for name in joining:
+                modules = sorted({_module(b.param) for b in self.boxes.pop(name)} & reloaded)
+                self.refused[name] = f"its module ({modules[0]}) is reloaded, as a whole, for another of its tensors"
 
 
 class _NotAView(Exception):
@@ -195,7 +257,7 @@ def _box(
     probe: Tensor,
     dst: Tensor,
     src: Tensor,
-    by_storage: Mapping[int, tuple[str, Tensor]],
+    by_storage: Mapping[int, list[tuple[str, Tensor]]],
     refuse: Callable[[str], str | None],
 ) -> Box:
     """The box of one recorded copy, or `_NotAView` with the reason."""
@@ -203,9 +265,10 @@ def _box(
         raise _NotAView(f"the loader casts it ({src.dtype} into {dst.dtype})")
     if src.dim() != probe.dim() or src.stride() != probe.stride() or tuple(dst.shape) != tuple(src.shape):
         raise _NotAView("the loader reshapes or transposes it")
-    if dst.is_meta or dst.untyped_storage().data_ptr() not in by_storage:
+    home = None if dst.is_meta else _home(dst, by_storage)
+    if home is None:
         raise _NotAView("the loader copies it into something that is not a parameter")
-    param, tensor = by_storage[dst.untyped_storage().data_ptr()]
+    param, tensor = home
     if not tensor.is_contiguous():
         raise _NotAView(f"{param} is not contiguous")
     why = refuse(param)
@@ -216,7 +279,26 @@ def _box(
         start.append(rest // stride if stride else 0)
         rest = rest % stride if stride else rest
     offset = int(dst.storage_offset()) - int(tensor.storage_offset())
+    last = offset + sum((n - 1) * s for n, s in zip(dst.shape, dst.stride(), strict=True)) if dst.numel() else offset
+    if offset < 0 or last >= tensor.numel() or min(dst.stride(), default=0) < 0:
+        raise _NotAView(f"the loader copies it past the ends of {param}")
     return Box(tuple(start), tuple(int(n) for n in src.shape), param, offset, tuple(int(s) for s in dst.stride()))
+
+
+def _home(dst: Tensor, by_storage: Mapping[int, list[tuple[str, Tensor]]]) -> tuple[str, Tensor] | None:
+    """The one parameter whose elements `dst` starts in (several may share a storage); None if
+    none does, or more than one."""
+    start = int(dst.storage_offset())
+    found = [
+        (name, t)
+        for name, t in by_storage.get(dst.untyped_storage().data_ptr(), [])
+        if t.storage_offset() <= start < t.storage_offset() + t.numel()
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _module(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ""
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:

@@ -22,6 +22,7 @@ that fails leaves the engine serving the previous one, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -44,15 +45,27 @@ from .errors import DeltaError
 from .loader import FullCheck
 from .patch import LoadReport
 from .records import enum_member
+from .replica import exchange_bytes
 from .signing import Trust
 from .store import Store
 from .viewmap import ViewMap
 
-__all__ = ["NAME", "PLAIN_WEIGHTS", "DeltaInitInfo", "DeltaUpdateInfo", "LightningDeltaEngine", "register"]
+__all__ = [
+    "NAME",
+    "PLAIN_WEIGHTS",
+    "DeltaInitInfo",
+    "DeltaUpdateInfo",
+    "LightningDeltaEngine",
+    "ReloadError",
+    "register",
+]
 
 log = logging.getLogger("vllm.lightning_delta")  # vLLM's handlers show its children's lines beside its own
 
 NAME = "lightning_delta"
+TESTED_VLLM = "0.32"
+"""The vLLM releases this backend is tested with (pyproject pins the same range): it reads a
+private flag of vLLM's, and runs vLLM's layerwise reload."""
 PLAIN_WEIGHTS = "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS"
 """Set to 1 in the environment of a CPU engine to keep its linear weights in checkpoint layout
 (no oneDNN prepacking), so that updates are written in place at the cost of the change."""
@@ -60,15 +73,51 @@ PLAIN_WEIGHTS = "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS"
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: run by vLLM in each of its processes, before any
-    worker loads a model."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    worker loads a model.  vLLM calls it without a guard, and it runs wherever this package is
+    installed: it never raises.  Where vLLM's API moved, it says so in one line and adds nothing
+    (the backend is then unknown to vLLM, and selecting it fails there)."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    if NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(NAME, __name__, LightningDeltaEngine.__name__)
+    except ValueError:  # registered already, and said so: vLLM may load a process's plugins twice
+        return
+    except Exception as err:
+        log.warning(
+            "lightning_delta: not registered as a weight-transfer backend: this vLLM's factory differs from the "
+            "tested one (vllm %s; %s: %s)",
+            TESTED_VLLM,
+            type(err).__name__,
+            err,
+        )
+        return
     if os.environ.get(PLAIN_WEIGHTS) == "1":
-        import vllm._custom_ops
+        _keep_plain_weights()
 
-        vllm._custom_ops._supports_onednn = False
+
+def _keep_plain_weights() -> None:
+    """Turn vLLM's oneDNN prepacking of linear weights off in this process (a private flag of
+    vLLM's CPU ops), so that they are written in place; said in one line either way.  Where the
+    flag is gone, the layers it no longer governs are found prepacked and reloaded."""
+    try:
+        import vllm._custom_ops as ops
+
+        present = hasattr(ops, "_supports_onednn")
+        if present:
+            ops._supports_onednn = False
+    except Exception as err:  # vLLM's startup goes on whatever happens here
+        present, why = False, f"{type(err).__name__}: {err}"
+    else:
+        why = "vllm._custom_ops._supports_onednn is gone"
+    if present:
+        log.info("lightning_delta: %s=1: oneDNN prepacking of linear weights is off in this process", PLAIN_WEIGHTS)
+    else:
+        log.warning(
+            "lightning_delta: %s=1 is ignored: this vLLM differs from the tested one (vllm %s; %s)",
+            PLAIN_WEIGHTS,
+            TESTED_VLLM,
+            why,
+        )
 
 
 def _report_through_vllm() -> None:
@@ -106,6 +155,26 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
     step: int | None = None
 
 
+class _Untouched(logging.Filter):
+    """Drops, and counts, vLLM's "Failed to load weights" for the layers a reload hands nothing:
+    it hands only the kept tensors, so every other layer says it once a reload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            self.count += 1
+            return False
+        return True
+
+
+class ReloadError(DeltaError, RuntimeError):
+    """vLLM's layerwise reload raised: the layers it had processed hold the new step, the others the
+    old one, so the engine holds no step of the chain until it re-syncs from a base."""
+
+
 class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     """The backend in one vLLM worker."""
 
@@ -131,11 +200,20 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         if tp.world_size > 1:  # a group of our own: a prefetching thread never shares vLLM's
             group = dist.new_group(ranks=tp.ranks, backend="gloo", use_local_synchronization=True)
         self._last = tp.rank_in_group == tp.world_size - 1
-        store = Store(init_info.url, init_info.storage_options, trust=Trust.of(init_info.trusted_keys))
-        specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
-        params = dict(self.model.named_parameters())
-        with set_current_vllm_config(self.vllm_config):
-            view_map = ViewMap.learn(specs, self._load_one, params, self._refuse)
+        failure: Exception | None = None
+        try:  # a worker that fails alone must not leave the others waiting in the follower's first exchange
+            store = Store(init_info.url, init_info.storage_options, trust=Trust.of(init_info.trusted_keys))
+            specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
+            params = dict(self.model.named_parameters())
+            with set_current_vllm_config(self.vllm_config):
+                view_map = ViewMap.learn(specs, self._load_one, params, self._refuse, by_module=True)
+            view_map.refuse_derived(self.model)
+        except Exception as err:
+            failure = err
+        if group is not None:
+            exchange_bytes(failure or b"", group, torch.device("cpu"))
+        elif failure is not None:
+            raise failure
         self.follower = EngineFollower(
             store,
             view_map,
@@ -157,6 +235,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             reloaded_bytes / 1e6,
             f", because {'; '.join(reasons)}" if reasons else "",
         )
+        self._unloadable = set[str]()
         self._prefetch = init_info.prefetch
         self._poll = init_info.poll_seconds
         if self._prefetch:
@@ -172,12 +251,21 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         try:
             prepared, prefetched, wrote = self.follower.update(update_info.step)
         except DeltaError as err:  # the same error on every worker: the group agreed on it
-            log.error(
-                "lightning_delta: step %s not applied, the engine keeps step %s: %s",
-                update_info.step,
-                self.applied,
-                err,
-            )
+            if self.follower.held_step is None:  # written in part, and the re-sync failed too
+                self.applied = None
+                log.error(
+                    "lightning_delta: step %s not applied, and the engine holds no step of the chain: the next "
+                    "update re-syncs it from a base: %s",
+                    update_info.step,
+                    err,
+                )
+            else:
+                log.error(
+                    "lightning_delta: step %s not applied, the engine keeps step %s: %s",
+                    update_info.step,
+                    self.applied,
+                    err,
+                )
             if self._prefetch:
                 self.follower.prefetch(self._poll)
             # A failure on an earlier worker would shift vLLM's replies for good: the last one reports it.
@@ -201,6 +289,18 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     def finish_weight_update(self) -> None:
         """Nothing to finish: the step is in the engine once `update_weights` returns."""
 
+    def verify(self) -> None:
+        """The full check now (`full_check="on_demand"`'s trigger; every worker of the group calls
+        it together, through `llm.collective_rpc`): `ChecksumError` if the engine's weights are no
+        longer the step applied, and then the next update loads a step from its base."""
+        if self.follower is None:
+            raise RuntimeError("call init_weight_transfer_engine first")
+        try:
+            self.follower.verify()
+        finally:
+            if self._prefetch:
+                self.follower.prefetch(self._poll)
+
     def shutdown(self) -> None:
         if self.follower is not None:
             self.follower.close()
@@ -211,21 +311,69 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         self.model.load_weights([(name, tensor)])
 
     def _refuse(self, param: str) -> str | None:
-        """Why `param` cannot be written in place, if its layer computes from a packed copy."""
+        """Why `param` cannot be written in place, if its layer may compute from a copy of it.
+
+        On the CPU, vLLM's linear layers compute through `cpu_linear`: in place only where that is
+        `torch.nn.functional.linear` of the layer's own weight (a function that names nothing else
+        and captures nothing); a layer with a quantization method and no `cpu_linear` (a vLLM that
+        renamed it) is refused, not guessed."""
         layer = self.model.get_submodule(param.rsplit(".", 1)[0]) if "." in param else self.model
         kernel = getattr(layer, "cpu_linear", None)
+        if kernel is None:
+            if self.device.type == "cpu" and getattr(layer, "quant_method", None) is not None:
+                return "its layer has no cpu_linear, so how it computes on the CPU is unknown"
+            return None
+        if kernel is torch.nn.functional.linear:
+            return None
         names = getattr(getattr(kernel, "__code__", None), "co_names", ())
-        if kernel is not None and names != ("torch", "nn", "functional", "linear"):
-            return f"its layer computes from a prepacked copy ({'.'.join(names) or 'a CPU kernel'})"
-        return None
+        captured = getattr(kernel, "__closure__", None) or any(
+            isinstance(d, Tensor) for d in getattr(kernel, "__defaults__", None) or ()
+        )
+        if names == ("torch", "nn", "functional", "linear") and not captured:
+            return None
+        return f"its layer computes from a prepacked copy ({'.'.join(names) or 'a CPU kernel'})"
 
     def _reload(self, tensors: Mapping[str, Tensor]) -> None:
         """vLLM's layerwise reload of every tensor kept here (prepacked or quantized layers process
-        them again): a layer that received part of its weights would be rebuilt from the rest."""
+        them again): a layer that received part of its weights would be rebuilt from the rest.
+
+        A tensor the model has no parameter for (its loader says so by name, as for a name it does
+        not know) is never handed to it again, and one line says so: nothing of it is served.  Any
+        other failure still finalizes the reload, so that no layer stays on the meta device (a
+        layer that received nothing keeps its values), and then raises `ReloadError`: the follower
+        holds no step, and re-syncs from a base.  (The tensors whose loader failed when the map was
+        learned are no guide: a prepacked engine's loader fails on most of its linear weights then,
+        and takes them in the reload.)"""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        failures: list[str] = []
+        quiet = _Untouched()  # the layers handed nothing keep their weights: expected, not a failure
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addFilter(quiet)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), contextlib.ExitStack() as stack:
+            stack.callback(layerwise.removeFilter, quiet)
             initialize_layerwise_reload(self.model)
-            self.model.load_weights(list(tensors.items()))
-            finalize_layerwise_reload(self.model, self.model_config)
+            try:
+                for name, tensor in tensors.items():
+                    if name in self._unloadable:
+                        continue
+                    try:
+                        self.model.load_weights([(name, tensor)])
+                    except Exception as err:
+                        if not (isinstance(err, (KeyError, ValueError)) and name in str(err)):
+                            failures.append(f"{name} ({type(err).__name__}: {str(err)[:200]})")
+                            continue
+                        self._unloadable.add(name)
+                        log.warning(
+                            "lightning_delta: the model has no parameter for %s (%s: %s): it is followed and "
+                            "checked, and never handed to the engine again",
+                            name,
+                            type(err).__name__,
+                            err,
+                        )
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
+        log.debug("lightning_delta: the reload left %d layers as they were (nothing of theirs changed)", quiet.count)
+        if failures:
+            raise ReloadError(f"vLLM's layerwise reload failed on {'; '.join(failures[:4])}")
