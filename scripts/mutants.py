@@ -124,6 +124,22 @@ MUTANTS = (
         "                behind = source.decide(newer_count)[-1]\n",
         ("tests/test_follow.py::-k rank_0s_decisions",),
     ),
+    Mutant(
+        "part-signature",
+        "with trusted keys, a commit marker must be signed by the run's signer over its run, step, rank, kind and blob",
+        "signing.py",
+        "        if not PublicKey(run.manifest.signer).verify(marker.signature, message):\n",
+        "        if False:\n",
+        ("tests/test_signing.py::-k each_bound_field",),
+    ),
+    Mutant(
+        "mirror-blob-check",
+        "a mirror never copies a source blob that does not match its commit marker",
+        "mirror.py",
+        "                    fmt.verify_blob(blob, marker)\n",
+        "                    pass\n",
+        ("tests/test_mirror.py::-k damaged",),
+    ),
 )
 
 
