@@ -56,8 +56,7 @@ MUTANTS = (
         "engine.py",
         "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n"
         "            if got != want:\n",
-        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n"
-        "            if False:\n",
+        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n            if False:\n",
         ("tests/test_engine.py::-k only_its_checksum and prepare",),
     ),
     Mutant(
