@@ -38,7 +38,7 @@ from . import codec
 from .errors import FormatError
 from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
 
-__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceWalk", "decide"]
+__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide"]
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 """Whether device walks can run here (triton importable; on the CPU only under TRITON_INTERPRET=1)."""
@@ -57,19 +57,13 @@ _WIDTH = _ADDRESS + 1
 _MASK64 = (1 << 64) - 1
 
 
-class DeviceWalk:
-    """One SPARSE payload's changes applied to parameters (`params`, flat int16 tensors on one
-    device) through a segment table: `check` or `apply`, then `undo` if the step must not stay.
-    `result` holds the status and partial sums on the device until the caller decides."""
+class DeviceTable:
+    """A segment table on the device, each row with the address of the parameter it names (flat
+    int16 tensors on one device, kept alive here): built once per plan, read by every step's walks."""
 
-    def __init__(self, packed: codec.Packed, segments: Segments, params: Sequence[Tensor]) -> None:
-        if packed.mode != codec.Mode.SPARSE:
-            raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
-        if packed.n != segments.n:
-            raise ValueError(f"the segment table is for payloads of {segments.n} positions, not {packed.n}")
-        device = params[0].device if params else packed.sections[0].device
+    def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
-            raise ValueError(f"parameters are contiguous flat int16 tensors on one device ({device})")
+            raise ValueError(f"parameters are contiguous flat int16 tensors on {device}")
         if len(params) < len(segments.needs) or any(
             p.numel() < need for p, need in zip(params, segments.needs, strict=False)
         ):
@@ -77,13 +71,28 @@ class DeviceWalk:
                 f"the segment table names {segments.needs} elements of its parameters, "
                 f"which hold {[p.numel() for p in params]}"
             )
-        n, m, k, low_bits = packed.n, packed.m, packed.k, packed.low_bits
-        self._sections = tuple(s.to(device) for s in packed.sections)
-        self._params = params  # kept alive: the table holds their addresses
+        self.n, self.device, self.params = segments.n, device, params
         rows = [[*row, params[row[2]].data_ptr()] for row in segments.calls[:-1]]
-        rows.append([n, n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel
-        self._names = [row[2] for row in rows]
-        self._table = torch.tensor(rows, dtype=torch.int64).to(device)
+        rows.append([self.n, self.n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel
+        self.names = [row[2] for row in rows]
+        """The parameter each row names (-1: the sentinel)."""
+        self.rows = torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+class DeviceWalk:
+    """One SPARSE payload's changes applied through a `DeviceTable`: `check` or `apply`, then
+    `undo` if the step must not stay.  `result` holds the status and partial sums on the device
+    until the caller decides.  Its sections belong on the table's device already (copied there
+    ahead of the step, on a side stream): a copy from pageable host memory would wait."""
+
+    def __init__(self, packed: codec.Packed, table: DeviceTable) -> None:
+        if packed.mode != codec.Mode.SPARSE:
+            raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
+        if packed.n != table.n:
+            raise ValueError(f"the segment table is for payloads of {table.n} positions, not {packed.n}")
+        n, m, k, low_bits, device = packed.n, packed.m, packed.k, packed.low_bits, table.device
+        self._sections = tuple(s.to(device) for s in packed.sections)
+        self._table = table
         high_bytes = len(self._sections[1])
         self._block = (
             _BLOCK if device.type == "cuda" else min(_INTERPRETED_BLOCK, 1 << max(7, (high_bytes - 1).bit_length()))
@@ -94,7 +103,7 @@ class DeviceWalk:
         self._fields = (n, m, k, low_bits, codec._high_len(n, m, low_bits), len(self._sections[0]), flag_size)
         self._counts = torch.empty(1 + self._blocks + flag_size, dtype=torch.int64, device=device)
         self._ranks = self._counts
-        self._touched = torch.zeros(len(rows), dtype=torch.int32, device=device)
+        self._touched = torch.zeros(len(table.names), dtype=torch.int32, device=device)
         self.result = torch.zeros(len(RESULT_FIELDS), dtype=torch.int64, device=device)
         """`RESULT_FIELDS`, set by `check` and `apply`."""
 
@@ -129,7 +138,7 @@ class DeviceWalk:
 
     def wrote(self, param: int) -> bool:
         """Whether the last `apply` wrote into parameter `param` (a host sync: for after the decision)."""
-        return any(t and name == param for t, name in zip(self._touched.tolist(), self._names, strict=True))
+        return any(t and name == param for t, name in zip(self._touched.tolist(), self._table.names, strict=True))
 
     def _decode(self, *, check: bool, sign: int) -> None:
         if not self._blocks:
@@ -138,14 +147,14 @@ class DeviceWalk:
         decode[(self._blocks,)](
             *self._sections,
             self._ranks,
-            self._table,
+            self._table.rows,
             self.result,
             self._touched,
             *self._fields,
-            len(self._table),
+            len(self._table.names),
             sign,
             CHECK=check,
-            SEARCH=len(self._table).bit_length(),
+            SEARCH=len(self._table.names).bit_length(),
             LOW_BYTES=self._low_bytes,
             BLOCK=self._block,
             WIDTH=_WIDTH,
