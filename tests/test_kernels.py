@@ -311,6 +311,9 @@ def test_a_device_walk_waits_for_the_device_only_at_its_decision():
     table = device_walk.DeviceTable(segments, [held], torch.device("cpu"))  # once per plan
     with audited() as syncs:  # the step: walk, apply, a group's sum of the results, the undo
         walk = device_walk.DeviceWalk(packed, table)
+        walk.check()
+        walk.undo()  # nothing applied: nothing to take back
+        checked = held.clone()
         results = torch.stack([walk.apply(), walk.check()]).sum(0)
         walk.moved()
         walk.undo()
@@ -318,7 +321,7 @@ def test_a_device_walk_waits_for_the_device_only_at_its_decision():
     with audited() as syncs:
         device_walk.decide(results)
     assert len(syncs.seen) == 1, syncs.seen
-    assert torch.equal(held, old)
+    assert torch.equal(checked, old) and torch.equal(held, old)
 
 
 class OnDevice(torch.Tensor):

@@ -104,6 +104,7 @@ class DeviceWalk:
         self._counts = torch.empty(1 + self._blocks + flag_size, dtype=torch.int64, device=device)
         self._ranks = self._counts
         self._touched = torch.zeros(len(table.names), dtype=torch.int32, device=device)
+        self._applied = False
         self.result = torch.zeros(len(RESULT_FIELDS), dtype=torch.int64, device=device)
         """`RESULT_FIELDS`, set by `check` and `apply`."""
 
@@ -125,12 +126,16 @@ class DeviceWalk:
         self._touched.zero_()
         self.check()
         self._decode(check=False, sign=1)
+        self._applied = True
         return self.result
 
     def undo(self) -> None:
         """Subtract what `apply` added: the parameters hold what they held before it (it wrote
-        nothing where its check refused the payload)."""
-        self._decode(check=False, sign=-1)
+        nothing where its check refused the payload; nothing to undo without an `apply`).  Its
+        write reads `result`'s status: reduce a copy over a group, never `result` itself."""
+        if self._applied:
+            self._decode(check=False, sign=-1)
+            self._applied = False
 
     def moved(self) -> Tensor:
         """The owned changes' checksum move, `new - old` (int64, mod 2**64), on the device."""
