@@ -4,6 +4,7 @@
     python scripts/fuzz.py store --trials 10000 --seed 0    # damaged stores through DeltaLoader
     python scripts/fuzz.py store --signed --trials 10000    # signed chains, loaded with the trainer's key
     python scripts/fuzz.py codec --engine atheris           # coverage-guided (pip install atheris)
+    python scripts/fuzz.py kernels --cases 10000 --seed 0   # SPARSE payloads through the device walk
 
 Each case ends in one of these outcomes:
 
@@ -11,6 +12,10 @@ Each case ends in one of these outcomes:
 * exact: the bytes the trainer held (a mutation the format does not see, say a padding bit);
 * caught: a payload that decodes to other values whose checksum differs (codec target only:
   the loader refuses it, `test_reliability` shows how);
+* walked (kernels): applied by the device walk (`device_walk`, Triton; on the CPU under
+  TRITON_INTERPRET=1) bit for bit as torch decodes it, its partial sums checksum.py's, its undo
+  exact; kernel refused: refused by the walk where torch refuses it, with nothing written;
+  skipped: not SPARSE (not walked);
 * split (codec): decoded in chunks, as a follower in sync takes it, or walked into the old values,
   as a vLLM engine on the CPU takes it (`sparse_walk`), the payload is refused where it decodes in
   one piece, or the other way round, or gives other values -- must never happen;
@@ -32,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 import signal
@@ -42,6 +48,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,12 +69,13 @@ from lightning_delta import (
     sparse_walk,
 )
 from lightning_delta import format as fmt
-from lightning_delta.checksum import checksum
+from lightning_delta.checksum import checksum, checksum_at
 from lightning_delta.retention import collect
 from lightning_delta.signing import keygen
 
 FAILURES = ("wrong", "split", "other", "bomb", "hang")
 _SLACK = 64 << 20
+_MASK64 = (1 << 64) - 1
 
 
 class _Hang(BaseException):
@@ -342,6 +350,80 @@ def run_atheris(seed: int, libfuzzer_args: list[str]) -> None:
     atheris.Fuzz()
 
 
+# ----------------------------------------------------------------------------- kernels target
+
+
+def mutate_sections(rng: random.Random, payload: bytes, n: int) -> bytes:
+    """A SPARSE payload with its sections damaged and its header kept: it parses, so every case
+    reaches the kernels (bytes flipped, a range of random bytes, or a whole random section)."""
+    packed = codec.parse(payload, n)
+    sections = [s.clone() for s in packed.sections]
+    which = rng.choice([i for i, s in enumerate(sections) if s.numel()] or [0])
+    section = sections[which]
+    if section.numel():
+        kind = rng.randrange(3)
+        if kind == 0:
+            for _ in range(rng.randint(1, 4)):
+                section[rng.randrange(section.numel())] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            start = rng.randrange(section.numel())
+            end = min(section.numel(), start + rng.randint(1, 16))
+            section[start:end] = torch.tensor(list(rng.randbytes(end - start)), dtype=torch.uint8)
+        else:
+            section.copy_(torch.tensor(list(rng.randbytes(section.numel())), dtype=torch.uint8))
+    return codec.serialize(replace(packed, sections=tuple(sections)), codec.CodecOptions(codec.Compressor.NONE))
+
+
+def _kernel_case(old: torch.Tensor, new: torch.Tensor, payload: bytes) -> str:
+    """The payload through the device walk into a copy of `old`, against torch's decoder."""
+    from lightning_delta import device_walk
+
+    decoded = _in_chunks(old, new, payload)
+    packed = codec.parse(payload, new.numel())  # a refusal here is torch's too: `_in_chunks` parses first
+    if packed.mode != codec.Mode.SPARSE or packed.dtype != new.dtype:
+        return "refused" if decoded is None else "skipped"
+    held = old.view(torch.int16).clone()
+    whole = np.array([[0, new.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]] if new.numel() else [], dtype=np.int64)
+    segments = sparse_walk.Segments(whole.reshape(-1, len(sparse_walk.SEGMENT_FIELDS)), new.numel())
+    walk = device_walk.DeviceWalk(packed, device_walk.DeviceTable(segments, [held], held.device))
+    status, before, after = walk.apply().tolist()
+    if status:
+        return "kernel refused" if decoded is None and torch.equal(held, old.view(torch.int16)) else "split"
+    if decoded is None or not torch.equal(held, decoded):
+        return "split"
+    index = (decoded != old.view(torch.int16)).nonzero().view(-1)  # every step moves its value
+    if (before & _MASK64, after & _MASK64) != (
+        checksum_at(old.view(torch.int16)[index], index),
+        checksum_at(decoded[index], index),
+    ):
+        return "split"
+    walk.undo()
+    return "walked" if torch.equal(held, old.view(torch.int16)) else "split"
+
+
+def fuzz_kernels(cases: int, seed: int = 0, limit: float = 60.0, log: Callable[[str], None] | None = None) -> Counter:
+    """Damage SPARSE payloads `cases` times (a quarter through `mutate_payload`, the rest in their
+    sections) and run each through the device walk; returns the count of each outcome."""
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # before triton loads
+    rng = random.Random(seed)
+    corpus = [
+        case for case in codec_corpus(seed) if case[0] is not None and codec.mode_of(case[2]) == codec.Mode.SPARSE
+    ]
+    counts: Counter = Counter()
+    _kernel_case(*max(corpus, key=lambda case: len(case[2])))  # triton's import and first launches: no case's
+    for case in range(cases):
+        old, new, payload = rng.choice(corpus)
+        if rng.random() < 0.25:
+            mutated = mutate_payload(rng, payload, rng.choice(corpus)[2])
+        else:
+            mutated = mutate_sections(rng, payload, new.numel())
+        outcome, detail = _judge(partial(_kernel_case, old, new, mutated), 2 * new.numel(), limit)
+        counts[outcome] += 1
+        if outcome in FAILURES and log:
+            log(f"case {case} (seed {seed}): {outcome}: payload {mutated[:64].hex()}...\n{detail}")
+    return counts
+
+
 # ----------------------------------------------------------------------------- store target
 
 _STEPS, _BASE_EVERY = 8, 4
@@ -614,7 +696,7 @@ def fuzz_store(
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("target", choices=["codec", "store"])
+    p.add_argument("target", choices=["codec", "kernels", "store"])
     p.add_argument("--cases", type=int, default=100_000, help="codec cases")
     p.add_argument("--trials", type=int, default=1_000, help="store trials")
     p.add_argument("--seed", type=int, default=0)
@@ -630,12 +712,16 @@ def main() -> int:
         return 0
     if args.target == "codec":
         counts = fuzz_codec(args.cases, args.seed, args.limit, logging_sink)
+    elif args.target == "kernels":
+        counts = fuzz_kernels(args.cases, args.seed, args.limit, logging_sink)
     else:
         counts = fuzz_store(args.trials, args.seed, args.limit, logging_sink, signed=args.signed)
     total = sum(counts.values())
     print(f"{args.target}: {total} cases, seed {args.seed}, {time.perf_counter() - started:.0f} s")
-    for outcome in ("refused", "exact", "caught", *FAILURES):
-        print(f"  {outcome:8} {counts[outcome]:>10}")
+    if args.target == "kernels":
+        print(f"  {'kernel':14} {counts['walked'] + counts['kernel refused']:>10}  (reached the kernels)")
+    for outcome in ("refused", "exact", "caught", "walked", "kernel refused", "skipped", *FAILURES):
+        print(f"  {outcome:14} {counts[outcome]:>10}")
     return 1 if any(counts[f] for f in FAILURES) else 0
 
 

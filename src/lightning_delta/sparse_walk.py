@@ -22,7 +22,7 @@ import numpy as np
 from . import codec
 from .errors import FormatError
 
-__all__ = ["AVAILABLE", "SEGMENT_FIELDS", "Segments", "Walk", "compile"]
+__all__ = ["AVAILABLE", "MESSAGES", "SEGMENT_FIELDS", "Segments", "Status", "Walk", "compile"]
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
 """Whether the walk can run here (numba importable); the engine follower decodes with torch where
@@ -37,7 +37,9 @@ its `columns`, at `base + (r - row) * stride + (c - column)`.  `owned`: this wor
 checksum counts it."""
 
 
-class _Status(IntEnum):
+class Status(IntEnum):
+    """How a walk ended: OK, or why it refused the payload (`MESSAGES`)."""
+
     OK = 0
     EXTRA = 1
     ORDER = 2
@@ -46,12 +48,12 @@ class _Status(IntEnum):
     SHORT = 5
 
 
-_MESSAGES = {
-    _Status.EXTRA: "Elias-Fano high bits hold more entries than the header says",
-    _Status.ORDER: "changed positions are out of range or not strictly increasing",
-    _Status.FAR: "tensor payload flags more changes larger than one than its header says",
-    _Status.WIDE: "a tensor payload holds a change larger than 16 bits",
-    _Status.SHORT: "tensor payload holds fewer changes than its header says",
+MESSAGES = {
+    Status.EXTRA: "Elias-Fano high bits hold more entries than the header says",
+    Status.ORDER: "changed positions are out of range or not strictly increasing",
+    Status.FAR: "tensor payload flags more changes larger than one than its header says",
+    Status.WIDE: "a tensor payload holds a change larger than 16 bits",
+    Status.SHORT: "tensor payload holds fewer changes than its header says",
 }
 
 
@@ -109,8 +111,8 @@ class Walk:
         """Write every change; returns the owned changes' partial checksum move, mod 2**64.  A
         malformed payload raises `FormatError` with `applied` changes written (`undo` them)."""
         status, self.applied, moved = self._run(1, -1)
-        if status != _Status.OK:
-            raise FormatError(_MESSAGES[_Status(status)])
+        if status != Status.OK:
+            raise FormatError(MESSAGES[Status(status)])
         return moved & ((1 << 64) - 1)
 
     def wrote(self, param: int) -> bool:
@@ -120,8 +122,8 @@ class Walk:
     def check(self) -> int:
         """What `apply` would return, writing nothing."""
         status, _, moved = self._run(0, -1)
-        if status != _Status.OK:
-            raise FormatError(_MESSAGES[_Status(status)])
+        if status != Status.OK:
+            raise FormatError(MESSAGES[Status(status)])
         return moved & ((1 << 64) - 1)
 
     def undo(self, changes: int | None = None) -> None:
@@ -141,9 +143,9 @@ class Walk:
             moved += int(part)
             if held and sign:
                 self._wrote.add(param)
-            if status != _Status.OK:
+            if status != Status.OK:
                 return status, int(state[_SEEN]), moved
-        return _Status.OK, int(state[_SEEN]), moved
+        return Status.OK, int(state[_SEEN]), moved
 
 
 def compile() -> None:

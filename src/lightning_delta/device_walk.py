@@ -1,0 +1,183 @@
+"""One SPARSE payload applied on the device by Triton kernels: decoded, checked, hashed and
+written in a fixed number of launches, with no host sync until the caller's one decision.
+
+The CPU walk (`sparse_walk`) decodes changes one after another; a GPU decodes them all at once.
+Change `i` of an Elias-Fano sequence is the `i`-th set bit `b` of the high bits, at position
+`(b - i) << low_bits | low[i]`, so every set bit decodes on its own once its rank is known
+(`kernels`).  `apply` takes five launches whatever the payload's size and its segment table:
+
+1. zeroing which rows were written;
+2. `kernels.count`: set high bits per block, and set unit flags per byte (the rank of the
+   changes larger than one, which index the magnitude planes);
+3. one cumulative sum of both (torch): every block's and byte's rank;
+4. `kernels.decode` in check mode: every change decoded and checked (ascending and in range, its flags
+   and planes consistent with the header), its owned old and new values hashed (checksum.py's
+   key and mix, bit for bit) into partial sums, and a status;
+5. `kernels.decode` in write mode: `old + step` (mod 2**16) stored where the segment table holds each
+   change, every store masked by the status the check left on the device: a payload refused
+   anywhere writes nothing anywhere, and a write taken back (`undo`, the same launch with the
+   step negated) restores every bit.
+
+Results stay device tensors (`DeviceWalk.result`): a group sums them (a status sums to 0 only
+where every worker's is 0) and the caller syncs once, at its decision.  Values are int16 bit
+patterns, which is what a step is (and the interpreter has no bf16 arithmetic).  Triton is
+imported only when a walk is first built: a follower on the CPU does not need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import codec
+from .errors import FormatError
+from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
+
+__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide"]
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+"""Whether device walks can run here (triton importable; on the CPU only under TRITON_INTERPRET=1)."""
+
+RESULT_FIELDS = ("status", "old", "new")
+"""A walk's result tensor: its `Status` (0 where the payload holds together), and the partial sums,
+mod 2**64 as int64, of checksum.py's hash over the owned changes' old values and new values."""
+
+_BLOCK = 128
+"""High-bit bytes a program decodes on a GPU (8 * _BLOCK bit lanes)."""
+_INTERPRETED_BLOCK = 1 << 13
+"""At most this many under the interpreter, which costs per program, not per lane."""
+_ADDRESS = len(SEGMENT_FIELDS)
+_WIDTH = _ADDRESS + 1
+"""The device table's columns: the segment table's, then the address of the parameter a row names."""
+_MASK64 = (1 << 64) - 1
+
+
+class DeviceTable:
+    """A segment table on the device, each row with the address of the parameter it names (flat
+    int16 tensors on one device, kept alive here): built once per plan, read by every step's walks."""
+
+    def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
+        if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
+            raise ValueError(f"parameters are contiguous flat int16 tensors on {device}")
+        if len(params) < len(segments.needs) or any(
+            p.numel() < need for p, need in zip(params, segments.needs, strict=False)
+        ):
+            raise ValueError(
+                f"the segment table names {segments.needs} elements of its parameters, "
+                f"which hold {[p.numel() for p in params]}"
+            )
+        self.n, self.device, self.params = segments.n, device, params
+        rows = [[*row, params[row[2]].data_ptr()] for row in segments.calls[:-1]]
+        rows.append([self.n, self.n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel
+        self.names = [row[2] for row in rows]
+        """The parameter each row names (-1: the sentinel)."""
+        self.rows = torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+class DeviceWalk:
+    """One SPARSE payload's changes applied through a `DeviceTable`: `check` or `apply`, then
+    `undo` if the step must not stay.  `result` holds the status and partial sums on the device
+    until the caller decides.  Its sections belong on the table's device already (copied there
+    ahead of the step, on a side stream): a copy from pageable host memory would wait."""
+
+    def __init__(self, packed: codec.Packed, table: DeviceTable) -> None:
+        if packed.mode != codec.Mode.SPARSE:
+            raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
+        if packed.n != table.n:
+            raise ValueError(f"the segment table is for payloads of {table.n} positions, not {packed.n}")
+        n, m, k, low_bits, device = packed.n, packed.m, packed.k, packed.low_bits, table.device
+        self._sections = tuple(s.to(device) for s in packed.sections)
+        self._table = table
+        high_bytes = len(self._sections[1])
+        self._block = (
+            _BLOCK if device.type == "cuda" else min(_INTERPRETED_BLOCK, 1 << max(7, (high_bytes - 1).bit_length()))
+        )
+        self._blocks = -(-high_bytes // self._block)
+        self._low_bytes = (7 + low_bits + 7) // 8  # a change's low bits, at any shift in its first byte
+        flag_size = len(self._sections[2])
+        self._fields = (n, m, k, low_bits, codec._high_len(n, m, low_bits), len(self._sections[0]), flag_size)
+        self._counts = torch.empty(1 + self._blocks + flag_size, dtype=torch.int64, device=device)
+        self._ranks = self._counts
+        self._touched = torch.zeros(len(table.names), dtype=torch.int32, device=device)
+        self._applied = False
+        self.result = torch.zeros(len(RESULT_FIELDS), dtype=torch.int64, device=device)
+        """`RESULT_FIELDS`, set by `check` and `apply`."""
+
+    def check(self) -> Tensor:
+        """Decode, check and hash every change, writing nothing; returns `result`."""
+        if self._blocks:  # no changes: nothing to count (`result` stays zero)
+            _, m, _, _, high_bits, _, _ = self._fields
+            count, _ = _kernels()
+            count[(self._blocks,)](
+                self._sections[1], self._sections[2], self._counts, m, high_bits, self.result, BLOCK=self._block
+            )
+            self._ranks = self._counts.cumsum(0)
+            self._decode(check=True, sign=0)
+        return self.result
+
+    def apply(self) -> Tensor:
+        """`check`, then write every change unless the check refused the payload; returns `result`
+        (no host sync: the write reads the status on the device)."""
+        self._touched.zero_()
+        self.check()
+        self._decode(check=False, sign=1)
+        self._applied = True
+        return self.result
+
+    def undo(self) -> None:
+        """Subtract what `apply` added: the parameters hold what they held before it (it wrote
+        nothing where its check refused the payload; nothing to undo without an `apply`).  Its
+        write reads `result`'s status: reduce a copy over a group, never `result` itself."""
+        if self._applied:
+            self._decode(check=False, sign=-1)
+            self._applied = False
+
+    def moved(self) -> Tensor:
+        """The owned changes' checksum move, `new - old` (int64, mod 2**64), on the device."""
+        return self.result[2] - self.result[1]
+
+    def wrote(self, param: int) -> bool:
+        """Whether the last `apply` wrote into parameter `param` (a host sync: for after the decision)."""
+        return any(t and name == param for t, name in zip(self._touched.tolist(), self._table.names, strict=True))
+
+    def _decode(self, *, check: bool, sign: int) -> None:
+        if not self._blocks:
+            return
+        _, decode = _kernels()
+        decode[(self._blocks,)](
+            *self._sections,
+            self._ranks,
+            self._table.rows,
+            self.result,
+            self._touched,
+            *self._fields,
+            len(self._table.names),
+            sign,
+            CHECK=check,
+            SEARCH=len(self._table.names).bit_length(),
+            LOW_BYTES=self._low_bytes,
+            BLOCK=self._block,
+            WIDTH=_WIDTH,
+        )
+
+
+def decide(result: Tensor) -> int:
+    """The one host sync of a walk (or of a group's summed results): raises `FormatError` where
+    the status refuses the payload, else returns the checksum move, mod 2**64."""
+    status, old, new = result.tolist()
+    if status != Status.OK:
+        raise FormatError(MESSAGES[Status(status)] if status in set(Status) else "tensor payloads refused")
+    return (new - old) & _MASK64
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """The kernels (importing triton, and compiling them on first launch)."""
+    from . import kernels
+
+    return kernels.count, kernels.decode
