@@ -78,7 +78,7 @@ class _Deltas(Store):
     step can then take a step only by its delta or bridge, never by falling back to a base."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store.objects)
+        super().__init__(store.objects, trust=store.trust)  # the readers check what the caller's would
         self.bases = True
 
     def part_refs(self, step: int, rank: int, world_size: int) -> list[PartRef]:
@@ -108,6 +108,12 @@ def audit(store: Store, only: int | None = None) -> Audit:
     deltas = _Deltas(store)
     follower = _loaded(deltas, only - 1) if only is not None and only - 1 in complete else None
     for step in steps:
+        refused = next((r for r in refs[step] if isinstance(r, DeltaError)), None)
+        if refused is not None:  # markers no reader accepts: the step, and a joiner's way past it, are broken
+            failed([step], Reader.FOLLOWER, refused)
+            failed(_segment(step, complete, bases), Reader.JOINER, refused)
+            follower = None
+            continue
         if follower is not None and follower.held_step == step - 1 and all(_has(r, fmt.Kind.DELTA) for r in refs[step]):
             deltas.bases = False  # the delta, or the bridge beside a base, alone
             try:
