@@ -55,6 +55,24 @@ def test_blob_round_trip():
     part = fmt.decode_blob(blob_of(h, (0.5, -1.25)))
     assert part.header == h and part.entries == (ENTRY,) and part.probe == (0.5, -1.25)
     assert [bytes(p) for p in part.payloads] == [b"abcd"]
+    payloads = [b"abcd", b"efghij", b"", b"k"]  # back to back after the probe, each where its table says
+    entries = [fmt.PayloadEntry(len(p), len(p), i) for i, p in enumerate(payloads)]
+    part = fmt.decode_blob(fmt.encode_blob(h, entries, payloads, (0.5, -1.25)))
+    assert part.entries == tuple(entries) and [bytes(p) for p in part.payloads] == payloads
+    assert fmt.decode_blob(blob_of(header())).probe is None  # no probe, not an empty one
+
+
+def test_the_head_bounds_are_exact():
+    def prefix(size: int, count: int) -> bytes:
+        return fmt.MAGIC + size.to_bytes(4, "little") + count.to_bytes(4, "little")
+
+    entry = fmt.head_end(prefix(0, 1), 1 << 40) - fmt.PREFIX_BYTES
+    assert fmt.head_end(prefix(0, 0), fmt.PREFIX_BYTES) == fmt.PREFIX_BYTES
+    assert fmt.head_end(prefix(fmt.MAX_HEADER_BYTES, 0), 1 << 40) == fmt.PREFIX_BYTES + fmt.MAX_HEADER_BYTES
+    assert fmt.head_end(prefix(0, fmt.MAX_PAYLOADS), 1 << 40) == fmt.PREFIX_BYTES + entry * fmt.MAX_PAYLOADS
+    for short, size in [(prefix(0, 0)[:-1], 1 << 40), (prefix(0, 0), fmt.PREFIX_BYTES - 1)]:
+        with pytest.raises(FormatError, match=rf"^part object truncated: {fmt.PREFIX_BYTES - 1} bytes$"):
+            fmt.head_end(short, size)
 
 
 GOLDEN_HEADER = (
@@ -164,7 +182,7 @@ def test_strict_header_parsing(mutate, entries, message):
 def test_a_probe_that_is_not_finite_is_refused():
     blob = bytearray(blob_of(header(probe=1), (1.0,)))
     blob[-8:-4] = b"\x00\x00\xc0\x7f"  # NaN
-    with pytest.raises(FormatError, match="not finite"):
+    with pytest.raises(FormatError, match=r"^probe holds a value that is not finite$"):
         fmt.decode_blob(bytes(blob))
 
 
@@ -272,6 +290,10 @@ def test_foreign_and_truncated_objects():
     blob = blob_of(header())
     with pytest.raises(FormatError, match="does not fit"):
         fmt.decode_blob(blob[:20])
+    with pytest.raises(FormatError, match=rf"^part is {len(blob) - 1} bytes; its header describes {len(blob)} "):
+        fmt.decode_blob(blob[:-1])
+    with pytest.raises(FormatError, match=r"^part header is malformed: "):
+        fmt.decode_blob(fmt.MAGIC + (2).to_bytes(4, "little") + bytes(4) + b"{}")
     for size, count in [(fmt.MAX_HEADER_BYTES + 1, 1), (100, fmt.MAX_PAYLOADS + 1)]:
         huge = blob[:8] + size.to_bytes(4, "little") + count.to_bytes(4, "little") + blob[16:]
         with pytest.raises(FormatError, match="over the bounds"):
@@ -283,7 +305,7 @@ def test_commit_marker_round_trip_and_verification():
     marker = fmt.decode_commit(fmt.encode_commit(blob, header()))
     assert (marker.kind, marker.prev_step) == (fmt.Kind.BASE, None)
     fmt.verify_blob(blob, marker)
-    with pytest.raises(ChecksumError):
+    with pytest.raises(ChecksumError, match=r"^SHA-256 of the object does not match its commit marker$"):
         fmt.verify_blob(b"some blub", marker)
     with pytest.raises(FormatError, match="truncated"):
         fmt.verify_blob(blob[:-1], marker)

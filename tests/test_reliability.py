@@ -323,6 +323,11 @@ def test_a_collection_killed_at_any_moment_leaves_every_listed_step_loadable(tmp
     assert moments == 26  # the markers (bridges at 5 and 9 too), then the folder, of each of the 12 steps
 
 
+def test_a_collection_that_would_keep_no_base_is_refused_before_it_reads(tmp_path):
+    with pytest.raises(ValueError, match=r"^keep_bases must be >= 1, got 0$"):
+        collect(Store(str(tmp_path / "store")), keep_bases=0, dry_run=True)
+
+
 # ----------------------------------------------------------------------------- any order of calls
 
 STEPS, BASE_EVERY = 12, 4  # bases at 1, 5, 9

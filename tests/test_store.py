@@ -220,7 +220,8 @@ def test_the_one_parser_checks_a_part_against_its_marker_its_run_and_its_layout(
     run = store.claim(RUN)
     cases = {
         "another run": (_header(0, 2), ChainError),  # the manifest digest of another run
-        "disagree on what it is": (_header(0, 2, manifest=run.sha256), FormatError),  # a base under a delta's marker
+        # a base under a delta's marker
+        "^its header and its commit marker disagree on what it is$": (_header(0, 2, manifest=run.sha256), FormatError),
     }
     for step, (match, (header, error)) in enumerate(cases.items(), start=5):
         header = fmt.PartHeader(header.manifest, step, header.prev_step, header.kind, 0, 2, 0.0, 0)
