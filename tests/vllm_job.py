@@ -427,7 +427,7 @@ def mla(work: str, tp: int) -> dict[str, Any]:
         fresh[step] = engines[-1].collective_rpc(_digests)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **engine)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
-    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "steps": {}}
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused), "steps": {}}
     before = llm.collective_rpc(_digests)
     for step in range(1, MLA_STEPS + 1):
         llm.start_weight_update()
@@ -443,6 +443,10 @@ def mla(work: str, tp: int) -> dict[str, Any]:
         before = got
     result["generates"] = bool(logprobs(llm)[0])
     return result
+
+
+def _refused(worker: Any) -> dict[str, str]:
+    return dict(worker.weight_transfer_engine.follower.map.refused)
 
 
 def _digests(worker: Any) -> dict[str, str]:
