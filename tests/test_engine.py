@@ -428,6 +428,23 @@ def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog)
     assert live.prepare(4).report.changed == numel  # the next load is whole, from its base
 
 
+def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
+    """`forget` (a probe found the engine computing what its weights do not say): the follower holds
+    no step, a step it prefetched is dropped, and the next update writes every element, from a base,
+    even a value the checks cannot see."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
+    engine.qkv.data.view(-1)[int((q2 == q3).nonzero()[0])] += 1  # where step 3 changes nothing
+    live.forget()
+    assert live.held_step is None
+    prepared, _, _ = live.update(3)
+    assert prepared.held is None and prepared.report.changed == sum(t.numel() for t in truth[3].values())
+    assert exact(engine, truth[3])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("context", [Context.EXPONENT, Context.NONE], ids=lambda c: c.name)
 def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context):

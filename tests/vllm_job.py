@@ -17,10 +17,17 @@ Scenarios:
 * forgery: the chain signed by the trainer's key, and the issue's forgery (step 7, every weight
   7.0, published elsewhere under the run's id by two ranks with another key, copied in): an engine
   with `trusted_keys` takes step 6 and refuses step 7, keeping step 6's weights.
+* probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
+  through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
+* mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
+  (in place elsewhere), every parameter and buffer of every worker read back after each step
+  beside a fresh engine's.
 * reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
   (the step is loaded again from its base at once), then in every reload of an update (the engine
   says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
-  has no parameter for is handed to its loader once only.
+  has no parameter for is handed to its loader once only; an engine that held no step computes NaN
+  (into its KV cache), and the re-sync is still exact; vLLM's finalize raises, and no later reload
+  is trusted.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
 (the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test.
@@ -227,7 +234,7 @@ def reload_fails(work: str) -> dict[str, Any]:
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "errors": {}}
     llm.collective_rpc(_count_untouched)
 
-    def update(step: int, key: str) -> None:
+    def update(step: int, key: str, generate: bool = True) -> None:
         llm.start_weight_update()
         try:
             llm.update_weights({"update_info": {"step": step}})
@@ -237,7 +244,7 @@ def reload_fails(work: str) -> dict[str, Any]:
             with contextlib.suppress(Exception):  # closes the update where it is still open
                 llm.finish_weight_update()
         llm.reset_prefix_cache()
-        result[key] = {"report": llm.collective_rpc(_report)[0], "logprobs": logprobs(llm)}
+        result[key] = {"report": llm.collective_rpc(_report)[0], "logprobs": logprobs(llm) if generate else None}
 
     update(1, "first")
     result["first"]["equal"] = result["first"]["logprobs"] == fresh[1]
@@ -247,6 +254,11 @@ def reload_fails(work: str) -> dict[str, Any]:
     llm.collective_rpc(_fail_reloads, args=(9, None))  # every reload of the next update raises
     update(1, "always")  # a step back: from the base at 1, whose write fails
     llm.collective_rpc(_fail_reloads, args=(0, None))
+    # Weights that are no step may compute anything: here NaN, into the KV cache (deterministically;
+    # the layers the failed reload rebuilt from uninitialised memory did it in 2 runs of 4).
+    llm.collective_rpc(_nan_weight)
+    llm.reset_prefix_cache()
+    result["poisoned"] = logprobs(llm)
     update(2, "after")
     result["after"]["equal"] = result["after"]["logprobs"] == fresh[2]
     result["failed_calls"] = llm.collective_rpc(_failed_calls)[0]
@@ -256,7 +268,226 @@ def reload_fails(work: str) -> dict[str, Any]:
     update(2, "unloadable_again")
     result["unloadable_calls"] = llm.collective_rpc(_failed_calls)[0]
     result["untouched_said"] = llm.collective_rpc(_untouched_said)[0]
+    llm.collective_rpc(_fail_finalize, args=(True,))  # vLLM's finalize raises: its layers stay mid-reload
+    update(1, "finalize", generate=False)
+    llm.collective_rpc(_fail_finalize, args=(False,))
+    update(2, "broken", generate=False)  # no later reload is trusted
     return result
+
+
+PROBE = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(7)).tolist()
+"""The trainer's probe batch (token ids, rows of 32): the same in the trainer and the engine."""
+PROBE_TOLERANCE = 0.02
+"""Over the kernels' own difference (HF's bf16 forward against vLLM's CPU kernels, measured below
+0.01 here), under what a stale layer does (above 0.1 here)."""
+STALE = "model.layers.0.mlp.down_proj"
+
+
+def probe_build(work: str) -> None:
+    """The model at step 0 and a one-rank chain published with the trainer's probe log-probs:
+    step 1 moves 2% of the elements by one ULP, step 2 draws layer 0's down_proj anew."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_delta import DeltaPublisher
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(f"{work}/model")
+    state = {k: v.data for k, v in model.state_dict().items()}  # the live weights: the probe sees each step
+    tokens = torch.tensor(PROBE)
+
+    @torch.no_grad()
+    def logprobs() -> torch.Tensor:
+        logits = model(tokens[:, :-1]).logits.float()
+        return logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+    with DeltaPublisher(f"{work}/store", lambda: state) as publisher:
+        g = torch.Generator().manual_seed(1)
+        for bits in (t.view(torch.int16).view(-1) for _, t in sorted(state.items())):
+            moved = torch.rand(bits.numel(), generator=g) < 0.02
+            bits[moved] += 1
+        publisher.publish(1, probe=logprobs())
+        state[f"{STALE}.weight"].copy_(torch.randn(state[f"{STALE}.weight"].shape, generator=g) * 0.02)
+        publisher.publish(2, probe=logprobs())
+
+
+def probe(work: str) -> dict[str, Any]:
+    """The engine's own log-probs of the probe batch against the trainer's, after each step; then a
+    derived copy left stale by hand (layer 0's down_proj computing from its step-1 prepacked
+    weight after step 2): refused, and the next update re-syncs it."""
+    from vllm import LLM
+
+    from lightning_delta.vllm_backend import ProbeError, check_probe
+
+    backend = {"backend": "lightning_delta"}
+    llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
+    info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE}
+    llm.init_weight_transfer_engine({"init_info": info})
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths)}
+
+    def check(key: str) -> None:
+        started = time.perf_counter()
+        try:
+            result[key] = {"error": check_probe(llm, PROBE)}
+        except ProbeError as err:
+            result[key] = {"refused": str(err)}
+        result[key]["seconds"] = time.perf_counter() - started
+        result[key]["step"] = llm.collective_rpc(_report)[0]["step"]
+
+    def update(step: int) -> float:
+        started = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"step": step}})
+        llm.finish_weight_update(weight_version=str(step))
+        llm.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    result["update_seconds"] = [update(1)]
+    check("1")
+    llm.collective_rpc(_keep_kernel)
+    result["update_seconds"].append(update(2))
+    check("2")
+    llm.collective_rpc(_stale_kernel)  # checksums still pass: the kept weights are step 2's
+    check("stale")
+    result["resync_changed"] = (update(2), llm.collective_rpc(_report)[0])[1]
+    check("resynced")
+    return result
+
+
+MLA_STEPS = 3
+KV_B = "kv_b_proj"
+
+
+def mla_build(work: str) -> None:
+    """A tiny DeepSeek-V2 at step 0 (MLA: the CPU kernel wants kv_lora_rank + qk_rope_head_dim = 576;
+    2-D weights drawn with std 0.05) and a one-rank chain: steps 1 and 3 move 2% of every tensor's
+    elements by one ULP, step 2 moves 20% of each `kv_b_proj`'s only (vLLM derives W_UK_T and W_UV
+    from it after loading); each step's weights in a folder a fresh engine loads."""
+    from safetensors.torch import load_file
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from lightning_delta import DeltaPublisher
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+    )
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    for param in model.parameters():
+        if param.ndim == 2:
+            param.data.normal_(0, 0.05)
+    model.save_pretrained(f"{work}/model")
+    state = load_file(f"{work}/model/model.safetensors")
+    with DeltaPublisher(f"{work}/store", lambda: state) as publisher:
+        for step in range(1, MLA_STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            for name in sorted(state):
+                if step == 2 and KV_B not in name:
+                    continue
+                bits = state[name].view(torch.int16).view(-1)
+                bits[torch.rand(bits.numel(), generator=g) < (0.2 if step == 2 else 0.02)] += 1
+            publisher.publish(step)
+            shutil.copytree(f"{work}/model", f"{work}/step-{step}")
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{work}/step-{step}/model.safetensors")
+
+
+def mla(work: str, tp: int) -> dict[str, Any]:
+    """Follow the MLA chain (TP=1 or 2) and read every parameter and buffer of every worker back
+    after each step, the derived W_UK_T and W_UV included, beside a fresh engine's of that step (at
+    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide)."""
+    from vllm import LLM
+
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
+    engine = {**ENGINE, "max_model_len": 64, **extra}
+    fresh, engines = {}, []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
+    for step in range(1, MLA_STEPS + 1):  # first: no engine starts in a process where the walk compiled
+        engines.append(LLM(model=f"{work}/step-{step}", **engine))
+        fresh[step] = engines[-1].collective_rpc(_digests)
+    llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **engine)
+    llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused), "steps": {}}
+    before = llm.collective_rpc(_digests)
+    for step in range(1, MLA_STEPS + 1):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"step": step}})
+        llm.finish_weight_update(weight_version=str(step))
+        got = llm.collective_rpc(_digests)
+        result["steps"][step] = {
+            "tensors": [len(w) for w in got],
+            "differ": [sorted(n for n in w if w[n] != f[n]) for w, f in zip(got, fresh[step], strict=True)],
+            "missing": [sorted(set(f) ^ set(w)) for w, f in zip(got, fresh[step], strict=True)],
+            "moved": sorted({n for w, b in zip(got, before, strict=True) for n in w if w[n] != b.get(n)}),
+        }
+        before = got
+    result["generates"] = bool(logprobs(llm)[0])
+    return result
+
+
+def _refused(worker: Any) -> dict[str, str]:
+    return dict(worker.weight_transfer_engine.follower.map.refused)
+
+
+def _digests(worker: Any) -> dict[str, str]:
+    """SHA-256 of every parameter and buffer of the worker's model (its bytes, shape and dtype)."""
+    import hashlib
+
+    model = worker.model_runner.get_model()
+    out = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        data = tensor.detach().contiguous().cpu()
+        raw = data.reshape(-1).view(torch.uint8)
+        out[name] = f"{tuple(data.shape)} {data.dtype} " + hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return out
+
+
+def _keep_kernel(worker: Any) -> None:
+    worker._kept_kernel = worker.model_runner.get_model().get_submodule(STALE).cpu_linear
+
+
+def _stale_kernel(worker: Any) -> None:
+    worker.model_runner.get_model().get_submodule(STALE).cpu_linear = worker._kept_kernel
+
+
+def _nan_weight(worker: Any) -> None:
+    """The first layer's input norm (written in place, so the re-sync from a base rewrites it) NaN."""
+    worker.model_runner.get_model().model.layers[0].input_layernorm.weight.data.fill_(float("nan"))
+
+
+def _fail_finalize(worker: Any, fail: bool) -> None:
+    """vLLM's `finalize_layerwise_reload`, as the backend imports it, raises before it does anything."""
+    from vllm.model_executor.model_loader import reload
+
+    if fail:
+        reload._real_finalize = reload.finalize_layerwise_reload
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("finalize failed")
+
+        reload.finalize_layerwise_reload = failing
+    else:
+        reload.finalize_layerwise_reload = reload._real_finalize
 
 
 def _count_untouched(worker: Any) -> None:
@@ -427,9 +658,18 @@ def main() -> None:
         keygen(f"{work}/trainer")
         keygen(f"{work}/attacker")
         key = f"{work}/trainer"
-    build(work, key)
+    if scenario == "probe":
+        probe_build(work)
+    elif scenario.startswith("mla"):
+        mla_build(work)
+    else:
+        build(work, key)
     plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
-    if scenario == "offline":
+    if scenario == "probe":
+        result = probe(work)
+    elif scenario in ("mla", "mla-tp2"):
+        result = mla(work, 2 if scenario == "mla-tp2" else 1)
+    elif scenario == "offline":
         result = offline(work, 1, plain)
     elif scenario == "offline-tp2":
         result = offline(work, 2, plain)

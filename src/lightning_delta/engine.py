@@ -791,6 +791,12 @@ class EngineFollower:
 
     # ------------------------------------------------------------------ full check
 
+    def forget(self) -> None:
+        """Hold no step (the engine computes what its weights do not say, though they check out: a
+        failed probe, say): the next update loads one from its base, writing every element."""
+        self._stop_prefetch()  # a step it prefetched applies to the state held
+        self._held, self._generation = None, self._generation + 1
+
     def verify(self) -> None:
         """Rehash everything the engine holds of the chain against the trainer's checksums: each
         worker the elements it owns, summed over the group; `ChecksumError` if any payload differs

