@@ -19,7 +19,8 @@ Each follows steps 1-11 without prefetching, so `update_weights` fetches, decode
 writes.  Reported per engine: the time of `update_weights` for each step (and of its write), the
 bytes each worker read, the 0.5% steps over the 2% steps, the follower's peak memory beyond the
 engine in each worker during the delta steps (VmHWM, reset after the base, less VmRSS then), and
-vLLM's dense reload of the last step's checkpoint (`reload_weights`, from a warm page cache).  The
+vLLM's dense reload of the last step's checkpoint (`reload_weights`, from a warm page cache), with
+the base step (what a replica joining costs) over it.  The
 engine's weights are checked against the trainer's checksums after the chain and after the reload.
 """
 
@@ -237,6 +238,11 @@ def summary(name: str, result: dict[str, Any], model_bytes: int) -> list[str]:
             f"read {' + '.join(format(w['bytes'] / 1e6, '.2f') for w in workers)} MB, "
             f"{workers[0]['changed']} elements written"
         )
+    base = steps[min(STEPS)]
+    lines.append(
+        f"  base step (a replica joining): update_weights {base['seconds'] * 1e3:.1f} ms beside vLLM's dense reload "
+        f"{result['dense'] * 1e3:.1f} ms: {base['seconds'] / result['dense']:.2f}x (target: at most 2x)"
+    )
     beyond = max(result["beyond"])
     lines.append(
         f"  median 2%: {at[0.02] * 1e3:.1f} ms, 0.5%: {at[0.005] * 1e3:.1f} ms (0.5%/2% = {at[0.005] / at[0.02]:.2f}); "

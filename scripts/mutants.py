@@ -84,6 +84,20 @@ MUTANTS = (
         ("tests/test_engine.py::-k only_its_checksum and update and walk",),
     ),
     Mutant(
+        "engine-whole-checksum",
+        "a base step walked whole is checked against the trainer's checksums: a wrong value leaves no step held",
+        "engine.py",
+        "            if got != want:\n"
+        "                names = [self._names[s.tensor] for s in self._views[rank][i].slices]\n"
+        "                raise ChecksumError(\n"
+        "                    f\"{self.store.url} rank {rank} step {prepared.step}: payload {i}",
+        "            if False:\n"
+        "                names = [self._names[s.tensor] for s in self._views[rank][i].slices]\n"
+        "                raise ChecksumError(\n"
+        "                    f\"{self.store.url} rank {rank} step {prepared.step}: payload {i}",
+        ("tests/test_engine.py::-k forged_value_in_a_base_step",),
+    ),
+    Mutant(
         "blob-sha256",
         "a blob that does not match its commit marker's SHA-256 is refused as such",
         "format.py",

@@ -11,7 +11,8 @@ collective of the library:
   then rank 1 forgets the step it holds, and both load the next step from its base;
 * raw_prepare, raw_init: rank 1's store raises an error it does not classify (not a `DeltaError`);
 * keyerror: rank 1's engine no longer registers a parameter the walk writes;
-* oom_write: rank 1 runs out of memory writing a step from its base, after the walk;
+* oom_write: rank 1 runs out of memory writing a step from its base, after the walk (as it walks
+  the base's payloads whole, where it loads from a base part alone);
 * prefetch: rank 1's prefetcher fails to list the chain, while rank 0's finds a step; then the
   full check while the prefetchers poll the group.
 
@@ -206,16 +207,23 @@ def main() -> None:
     mixed._params = params
     report["keyerror_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
 
-    write_slice = EngineFollower._write_slice
+    write_slice, walk_whole, oom_calls = EngineFollower._write_slice, EngineFollower._walk_whole, [0, 0]
 
     def out_of_memory(self: EngineFollower, *args: object) -> bool:
+        oom_calls[0] += 1
         raise torch.OutOfMemoryError("out of memory while writing a whole payload")
 
-    if rank == 1:
+    def out_of_memory_walking(self: EngineFollower, *args: object) -> int:  # on one of the walk's threads
+        oom_calls[1] += 1
+        raise torch.OutOfMemoryError("out of memory while walking a base's payload")
+
+    if rank == 1:  # torch's write of a whole payload, and the one-pass walk of a base's
         EngineFollower._write_slice = out_of_memory  # type: ignore[method-assign]
+        EngineFollower._walk_whole = out_of_memory_walking  # type: ignore[method-assign]
     mixed._held = None  # both load step 5 from its base: every payload is written whole
     report["oom_write"] = outcome(lambda: mixed.update(5))
-    EngineFollower._write_slice = write_slice  # type: ignore[method-assign]
+    EngineFollower._write_slice, EngineFollower._walk_whole = write_slice, walk_whole  # type: ignore[method-assign]
+    report["oom_calls"] = oom_calls
     report["oom_held"] = mixed.held_step
     report["oom_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]
 

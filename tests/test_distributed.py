@@ -237,6 +237,7 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
         # rank 1's prefetcher met a store error: both prefetchers stop on it, and the update fetches again
         assert report["prefetch"][0] == "ok" and report["prefetch_then"] == [8, "ok", 0], report["prefetch"]
         assert report["verify_prefetching"] == ["ok"] * 20  # the check stops the prefetcher first
+    assert reports[0]["oom_calls"] == [0, 0] and reports[1]["oom_calls"][1] >= 1, reports[1]  # as it walked whole
 
 
 # ----------------------------------------------------------------------------- stores that fill out of order

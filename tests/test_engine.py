@@ -22,6 +22,7 @@ from lightning_delta import (
     StoreError,
     codec,
     sparse_walk,
+    whole_walk,
 )
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
@@ -82,6 +83,19 @@ def walks(monkeypatch) -> list[int]:
     return count
 
 
+@pytest.fixture
+def wholes(monkeypatch) -> list[int]:
+    """Counts the payloads of base steps walked whole (`whole_walk`), rather than decoded by torch."""
+    count, apply = [0], whole_walk.WholeWalk.apply
+
+    def counted(walk: whole_walk.WholeWalk) -> int:
+        count[0] += 1
+        return apply(walk)
+
+    monkeypatch.setattr(whole_walk.WholeWalk, "apply", counted)
+    return count
+
+
 def exact(engine: Engine, truth: dict[str, torch.Tensor]) -> bool:
     state, expected = engine.state(), engine.expected(truth)
     return all(torch.equal(state[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
@@ -113,7 +127,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("chunk", [None, 8])
 @pytest.mark.parametrize("walk", [True, False], ids=["walk", "torch"])
 def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
-    store_url, context, device, chunk, walk, walks, monkeypatch
+    store_url, context, device, chunk, walk, walks, wholes, monkeypatch
 ):
     if chunk is not None:  # a step in sync in many chunks of changes, each decoded, checked and written
         monkeypatch.setattr(engine_module, "_CHUNK", chunk)
@@ -139,6 +153,7 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
     live.verify()
     # the SPARSE steps in sync (2, 3, 7, 8), walked where numba runs on the CPU
     assert walks[0] == (4 if walk and device == "cpu" and context == Context.NONE else 0)
+    assert wholes[0] == (1 if walk and device == "cpu" else 0)  # the base at 1, decoded, written and checked at once
 
 
 @pytest.mark.parametrize("call", ["prepare", "update"])
@@ -228,6 +243,26 @@ def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_a
     live.update(None)
     assert live.held_step == STEPS and exact(engine, truth[STEPS])
     live.close()
+
+
+def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_step_is_held(store_url, wholes):
+    """A base step is written as it is checked (`whole_walk`: the follower holds no step to keep):
+    a value only its checksum can catch raises `ChecksumError` (`update` tries the base once
+    more), the follower then holds no step, and the next clean base heals."""
+    truth = publish(store_url)
+    forge_value(Store(store_url), 1)
+    engine = Engine()
+    live = follower(store_url, engine)
+    with pytest.raises(ChecksumError, match=f"step 1: payload 0 .*{MESSAGE}"):
+        live.update(1)
+    assert live.held_step is None and wholes[0] == 2
+    with pytest.raises(DeltaError, match="holds no step"):
+        live.verify()
+    with pytest.raises(ChecksumError, match=MESSAGE):  # no step held: step 2 from the forged base (composed)
+        live.update(2)
+    live.update(5)
+    assert live.held_step == 5 and exact(engine, truth[5]) and wholes[0] == 3
+    live.verify()
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url):

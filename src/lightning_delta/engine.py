@@ -24,9 +24,11 @@ import functools
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import codec, sparse_walk
+from . import codec, sparse_walk, whole_walk
 from . import format as fmt
 from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
@@ -100,6 +102,9 @@ class EngineStep:
     report: LoadReport
     generation: int
     walked: frozenset[tuple[int, int]]  # (trainer rank, payload) that `write` walks in place
+    whole: frozenset[tuple[int, int]] = frozenset()
+    """(trainer rank, payload) of a base step that `write` walks whole (`whole_walk`): decoded,
+    written and checked in one pass, by the workers that hold any of it."""
 
 
 class EngineFollower:
@@ -160,6 +165,7 @@ class EngineFollower:
         self._segments = self._segment_tables()
         if self._segments:
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
+            whole_walk.compile()
         self._held: list[RankState] | None = None
         self._generation = 0
         self._warned_classed = False
@@ -204,13 +210,13 @@ class EngineFollower:
         started, read_before = time.perf_counter(), self.store.bytes_read
         held, generation = self._held, self._generation
         try:
-            states, chains, walked, changed, fetched, share = self._prepare(step, held, verify)
+            states, chains, walked, whole, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
             if isinstance(err, StoreError) or (held is None and not isinstance(err, _HeldDiffers)):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
             held = None
-            states, chains, walked, changed, fetched, share = self._prepare(step, None, verify)
+            states, chains, walked, whole, changed, fetched, share = self._prepare(step, None, verify)
         report = LoadReport(
             step=step,
             kind=states[0].header.kind,
@@ -222,14 +228,23 @@ class EngineFollower:
             share_seconds=share,
             probe=states[0].probe,
         )
-        return EngineStep(step, states, chains, held, report, generation, walked)
+        return EngineStep(step, states, chains, held, report, generation, walked, whole)
 
     def _prepare(
         self, step: int, held: list[RankState] | None, verify: bool
-    ) -> tuple[list[RankState], list[tuple[fmt.Part, ...]], frozenset[tuple[int, int]], int, int, float]:
-        """Every rank's verified chain and state at `step`, the payloads `write` walks, the elements
-        to write, the parts this worker fetched, and the seconds of its fetch.  The payloads `write`
-        walks are checked here only with `verify` (each is checked again as it is written)."""
+    ) -> tuple[
+        list[RankState],
+        list[tuple[fmt.Part, ...]],
+        frozenset[tuple[int, int]],
+        frozenset[tuple[int, int]],
+        int,
+        int,
+        float,
+    ]:
+        """Every rank's verified chain and state at `step`, the payloads `write` walks in place and
+        whole, the elements to write, the parts this worker fetched, and the seconds of its fetch.
+        The payloads `write` walks are checked here only with `verify` (each is checked again as it
+        is written)."""
         started = time.perf_counter()
         chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
@@ -240,7 +255,7 @@ class EngineFollower:
         partials: list[int] = []
         expected: list[tuple[int, int, int, int]] = []
         outcome: Exception | None = None
-        changed, params, local, walked = 0, self._params(), False, set()
+        changed, params, local, walked, whole = 0, self._params(), False, set(), set()
         arrays: dict[str | int, np.ndarray] = {}
         try:
             for rank, parts in enumerate(chains):
@@ -265,6 +280,11 @@ class EngineFollower:
                             moved = (entry.checksum - state.checksums[i]) & _MASK64
                             expected.append((rank, i, parts[0].header.step, moved))
                         continue
+                    if state is None and self._whole_walkable(rank, i, parts):
+                        whole.add((rank, i))
+                        if not verify:
+                            changed += self._views[rank][i].numel
+                            continue
                     local = True
                     for patch in self._patches(rank, i, parts, state, params, partials, expected):
                         changed += patch.changed
@@ -285,7 +305,7 @@ class EngineFollower:
                     f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
                     "does not reproduce the trainer's checksum from the values the engine holds"
                 )
-        return states, chains, frozenset(walked), changed, fetched, share
+        return states, chains, frozenset(walked), frozenset(whole), changed, fetched, share
 
     def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int, bool]:
         """Every rank's parts (oldest first), the parts this worker fetched, and whether the step is
@@ -527,10 +547,11 @@ class EngineFollower:
         reload = self._walk(prepared, params)  # taken back on every worker if any fails
         failure: Exception | None = None
         try:  # past the walk nothing is taken back: a failure anywhere means a re-sync everywhere
+            reload |= self._write_whole(prepared, params)
             for rank, parts in enumerate(prepared.chains):
                 held = prepared.held[rank] if prepared.held else None
                 for i, view in enumerate(self._views[rank]):
-                    if (rank, i) in prepared.walked:
+                    if (rank, i) in prepared.walked or (rank, i) in prepared.whole:
                         continue
                     for patch in self._patches(rank, i, parts, held, params):
                         if patch.whole is None and (patch.index is None or not patch.index.numel()):
@@ -609,7 +630,7 @@ class EngineFollower:
             if self._held is not None or prepared.held is None:
                 raise  # nothing written, or a failed write from a base, which would fail the same way again
             log.warning("%s; re-syncing step %d from its base", err, prepared.step)
-        prepared = self.prepare(prepared.step)
+        prepared = self._prepare_step(prepared.step, verify=False)  # no step held: the write checks it
         return prepared, False, self.write(prepared)
 
     def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
@@ -696,6 +717,76 @@ class EngineFollower:
                 self._walk_of(rank, i, prepared.chains[rank][0], params, arrays).undo(changes)
             raise
         return kept
+
+    def _write_whole(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
+        """Walk every whole payload of a base step into the engine (`whole_walk`), each worker those
+        it holds any of, side by side on threads, and check them: partial sums over the owned
+        elements, summed over the group.  A failure on any worker raises on all of them, with the
+        engine holding no step.  Returns whether a kept copy changed."""
+        if not prepared.whole:
+            return False
+        jobs, expected, partials, kept = [], [], list[int](), False
+        failure: Exception | None = None
+        try:
+            for rank, i in sorted(prepared.whole):
+                table = self._segments_of(rank, i)
+                assert table is not None
+                expected.append((rank, i, prepared.chains[rank][0].entries[i].checksum))
+                if len(table[0].calls) == 1:  # only the sentinel: this worker holds none of it
+                    continue
+                for name in table[1]:
+                    if isinstance(name, int):
+                        kept = True
+                        self._kept.setdefault(
+                            name, torch.zeros(self.run.manifest.tensors[name].numel, dtype=torch.int16)
+                        )
+                jobs.append((len(expected) - 1, rank, i))
+            partials = [0] * len(expected)
+            arrays: dict[str | int, np.ndarray] = {}
+            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), _threads()))) as pool:
+                futures = [
+                    (at, pool.submit(self._walk_whole, rank, i, prepared.chains[rank][0], params, arrays))
+                    for at, rank, i in jobs
+                ]
+                for at, future in futures:
+                    partials[at] = future.result()
+        except Exception as err:
+            failure = err
+        for (rank, i, want), got in zip(expected, self._sum(partials, failure), strict=True):
+            if got != want:
+                names = [self._names[s.tensor] for s in self._views[rank][i].slices]
+                raise ChecksumError(
+                    f"{self.store.url} rank {rank} step {prepared.step}: payload {i} ({', '.join(names[:4])}) does "
+                    "not reproduce the trainer's checksum; the engine holds no step of the chain until it is loaded "
+                    "from a base"
+                )
+        return kept
+
+    def _walk_whole(
+        self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
+    ) -> int:
+        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum."""
+        view, table = self._views[rank][i], self._segments_of(rank, i)
+        assert table is not None
+        packed = codec.parse(part.payloads[i], view.numel)
+        if packed.dtype != view.dtype:
+            where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
+            raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
+        targets = []
+        for name in table[1]:  # a parameter, or the kept copy of a refused tensor
+            if name not in arrays:  # threads may both fill it: the same array either way
+                arrays[name] = (_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy()
+            targets.append(arrays[name])
+        return whole_walk.WholeWalk(packed, table[0], targets).apply()
+
+    def _whole_walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
+        """Whether payload `i` of `rank` is walked whole (`whole_walk`): on the CPU, one RAW payload
+        of a step loaded from its base, into tensors the map holds as runs or 2-D blocks."""
+        return (
+            len(parts) == 1
+            and codec.mode_of(parts[0].payloads[i]) == codec.Mode.RAW
+            and self._segments_of(rank, i) is not None
+        )
 
     def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
         """Whether payload `i` of `rank` is walked in place (`sparse_walk`): on the CPU, one SPARSE
@@ -949,6 +1040,11 @@ class EngineFollower:
             return [value]
         mine = value if isinstance(value, BaseException) else json.dumps(value).encode()
         return [json.loads(b) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
+
+
+def _threads() -> int:
+    """Payloads walked whole at once: the cores this process may run on (the walk and zstd release the GIL)."""
+    return len(os.sched_getaffinity(0))
 
 
 def _overlay(patch: _Payload, at: Tensor) -> Tensor:

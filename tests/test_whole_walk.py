@@ -1,0 +1,70 @@
+"""The CPU's one-pass walk of a RAW payload (`whole_walk`), against torch's decoder and checksum:
+every element lands where the segment table says and nowhere else, and the owned ones hash to
+their share of the payload's checksum (so the shares of a group's workers sum to the checksum)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_delta import codec, sparse_walk, whole_walk
+from lightning_delta.checksum import checksum, checksum_at
+from lightning_delta.codec import CodecOptions, Compressor, Mode
+from test_sparse_walk import place, walks
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(walks(), st.sampled_from([torch.bfloat16, torch.float16]), st.booleans(), st.integers(0, 2**16))
+def test_a_whole_walk_writes_every_held_element_where_the_table_says_and_hashes_the_owned(case, dtype, squeezed, seed):
+    _, new, table, sizes = case
+    options = CodecOptions() if squeezed else CodecOptions(Compressor.NONE)
+    packed = codec.parse(codec.serialize(codec.pack_full(new.view(dtype)), options), new.numel())
+    assert packed.mode == Mode.RAW
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16) for size in sizes]
+    expected = [p.clone() for p in params]
+    owned = []
+    for p in range(new.numel()):
+        held = place(table, p)
+        if held is not None:
+            param, at, mine = held
+            expected[param][at] = new[p]
+            if mine:
+                owned.append(p)
+    index = torch.tensor(owned, dtype=torch.int64)
+    share = checksum_at(new[index], index) if owned else 0
+
+    walk = whole_walk.WholeWalk(packed, sparse_walk.Segments(table, packed.n), [p.numpy() for p in params])
+    assert walk.apply() == share
+    assert all(torch.equal(a, b) for a, b in zip(params, expected, strict=True))
+
+
+def test_the_shares_of_disjoint_owners_sum_to_the_payloads_checksum():
+    """Two workers holding the two column halves of a row-parallel layer, each owning its own."""
+    rows, columns = 64, 48
+    new = torch.randn(rows, columns).to(torch.bfloat16).view(-1)
+    packed = codec.parse(codec.encode(None, new), new.numel())
+    total = 0
+    for half in range(2):
+        column, width = half * columns // 2, columns // 2
+        table = np.array([[0, new.numel(), 0, 0, 0, columns, 0, rows, column, width, width, 1]], dtype=np.int64)
+        out = np.zeros(rows * width, dtype=np.int16)
+        total += whole_walk.WholeWalk(packed, sparse_walk.Segments(table, packed.n), [out]).apply()
+        assert torch.equal(
+            torch.from_numpy(out).view(rows, width),
+            new.view(torch.int16).view(rows, columns)[:, column : column + width],
+        )
+    assert total % 2**64 == checksum(new.view(torch.int16))
+
+
+def test_only_a_raw_payload_is_walked_whole():
+    old = torch.randn(1000).to(torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[::50] += 1
+    packed = codec.parse(codec.encode(old, new), 1000)
+    table = np.array([[0, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    with pytest.raises(ValueError, match="only RAW"):
+        whole_walk.WholeWalk(packed, sparse_walk.Segments(table, 1000), [np.zeros(1000, dtype=np.int16)])
