@@ -90,11 +90,11 @@ MUTANTS = (
         "            if got != want:\n"
         "                names = [self._names[s.tensor] for s in self._views[rank][i].slices]\n"
         "                raise ChecksumError(\n"
-        "                    f\"{self.store.url} rank {rank} step {prepared.step}: payload {i}",
+        '                    f"{self.store.url} rank {rank} step {prepared.step}: payload {i}',
         "            if False:\n"
         "                names = [self._names[s.tensor] for s in self._views[rank][i].slices]\n"
         "                raise ChecksumError(\n"
-        "                    f\"{self.store.url} rank {rank} step {prepared.step}: payload {i}",
+        '                    f"{self.store.url} rank {rank} step {prepared.step}: payload {i}',
         ("tests/test_engine.py::-k forged_value_in_a_base_step",),
     ),
     Mutant(
