@@ -64,13 +64,7 @@ class DeviceTable:
     def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
             raise ValueError(f"parameters are contiguous flat int16 tensors on {device}")
-        if len(params) < len(segments.needs) or any(
-            p.numel() < need for p, need in zip(params, segments.needs, strict=False)
-        ):
-            raise ValueError(
-                f"the segment table names {segments.needs} elements of its parameters, "
-                f"which hold {[p.numel() for p in params]}"
-            )
+        segments.check_fits([p.numel() for p in params])
         self.n, self.device, self.params = segments.n, device, params
         rows = [[*row, params[row[2]].data_ptr()] for row in segments.calls[:-1]]
         rows.append([self.n, self.n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel

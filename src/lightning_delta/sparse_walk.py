@@ -83,6 +83,16 @@ class Segments:
         """The kernel's calls: a segment each, then one past every segment (its changes are decoded
         and checked, held by no one here)."""
 
+    def check_fits(self, sizes: Sequence[int], n: int | None = None) -> None:
+        """Refuse (`ValueError`) parameters of `sizes` elements too small for a target the table
+        names, and with `n`, a payload of another size: a walk then trusts the table."""
+        if n is not None and n != self.n:
+            raise ValueError(f"the segment table is for payloads of {self.n} positions, not {n}")
+        if len(sizes) < len(self.needs) or any(size < need for size, need in zip(sizes, self.needs, strict=False)):
+            raise ValueError(
+                f"the segment table names {self.needs} elements of its parameters, which hold {list(sizes)}"
+            )
+
 
 class Walk:
     """One SPARSE payload's changes, applied to parameters (`params`, flat int16 arrays) through a
@@ -91,15 +101,7 @@ class Walk:
     def __init__(self, packed: codec.Packed, segments: Segments, params: Sequence[np.ndarray]) -> None:
         if packed.mode != codec.Mode.SPARSE:
             raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
-        if packed.n != segments.n:
-            raise ValueError(f"the segment table is for payloads of {segments.n} positions, not {packed.n}")
-        if len(params) < len(segments.needs) or any(
-            len(p) < need for p, need in zip(params, segments.needs, strict=False)
-        ):
-            raise ValueError(
-                f"the segment table names {segments.needs} elements of its parameters, "
-                f"which hold {[len(p) for p in params]}"
-            )
+        segments.check_fits([len(p) for p in params], packed.n)
         self._sections = tuple(np.ascontiguousarray(s.numpy()) for s in packed.sections)
         self._fields = (packed.n, packed.m, packed.k, packed.low_bits)
         self._segments, self._params = segments, params

@@ -33,15 +33,7 @@ class WholeWalk:
     def __init__(self, packed: codec.Packed, segments: Segments, params: Sequence[np.ndarray]) -> None:
         if packed.mode != codec.Mode.RAW:
             raise ValueError(f"only RAW payloads are walked whole, not {packed.mode.name}")
-        if packed.n != segments.n:
-            raise ValueError(f"the segment table is for payloads of {segments.n} positions, not {packed.n}")
-        if len(params) < len(segments.needs) or any(
-            len(p) < need for p, need in zip(params, segments.needs, strict=False)
-        ):
-            raise ValueError(
-                f"the segment table names {segments.needs} elements of its parameters, "
-                f"which hold {[len(p) for p in params]}"
-            )
+        segments.check_fits([len(p) for p in params], packed.n)
         first, second = (np.ascontiguousarray(s.numpy()) for s in packed.sections)
         if len(first) != packed.n or len(second) != packed.n:  # `codec.parse` sizes them: never, unless it changes
             raise ValueError(f"a RAW payload of {packed.n} elements has planes of {len(first)} and {len(second)}")
