@@ -27,6 +27,11 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the example model (scripts/tinylm.p
 
 from tinylm import TinyLM  # noqa: E402
 
+# Triton's interpreter runs the device walk's kernels on the CPU (tests/test_kernels.py). It must be
+# chosen before `triton.language` is first imported, whoever imports it (transformers and peft do,
+# through torch, when the test modules are collected), since Triton decorates its own helpers then.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def needs(*packages: str) -> None:
     """At the top of a test module that needs packages of the `test` extra: skip the module where

@@ -22,6 +22,8 @@ PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # the machines' AMX quirk (see sitecustomize.py there), then this checkout's own source: the vLLM venv's
 # editable install may point at another checkout (a git worktree)
 VLLM_PATH = os.pathsep.join([str(ROOT / "tests" / "vllm_env"), str(ROOT / "src")])
+# the vLLM jobs run vLLM's own code as vLLM does, not under the Triton interpreter the kernel tests set
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3 is damaged, 4's chain passes it
 
 
@@ -29,7 +31,7 @@ def run(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
     if not PYTHON.exists():
         pytest.fail(f"{PYTHON} is missing: scripts/setup.sh makes the vLLM venv these tests run in")
     env = {
-        **os.environ,
+        **ENV,
         "PYTHONPATH": VLLM_PATH,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the jobs read the workers' reports with callables
@@ -61,7 +63,7 @@ def test_the_plugin_entry_point_never_breaks_vllms_startup():
     """vLLM runs `register` unguarded in each of its processes: it registers once, turns prepacking
     off with one line, and where vLLM's factory or flag moved it says so in one line and adds
     nothing, never raising."""
-    env = {**os.environ, "PYTHONPATH": VLLM_PATH}
+    env = {**ENV, "PYTHONPATH": VLLM_PATH}
     proc = run_all([str(PYTHON), str(ROOT / "tests" / "vllm_register_job.py")], env, 300, "register")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["registered"] and report["onednn"] is False
@@ -151,7 +153,7 @@ def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_pat
 
     def generate(python: Path, *extra: str) -> list[list[str]]:
         cmd = [str(python), str(ROOT / "scripts" / "generate.py"), *extra, f"store.url={tmp_path / 'store'}"]
-        env = {**os.environ, "PYTHONPATH": VLLM_PATH, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {**ENV, "PYTHONPATH": VLLM_PATH, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS="1")
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
