@@ -40,7 +40,7 @@ from torch import Tensor
 from . import codec, sparse_walk, whole_walk
 from . import format as fmt
 from .checksum import checksum, checksum_at, checksum_update
-from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
+from .errors import ChainError, ChecksumError, DeltaError, ModelMismatchError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
 from .patch import LoadReport, PayloadView, RankState, views
 from .reader import ChainReader
@@ -775,7 +775,7 @@ class EngineFollower:
         targets = []
         for name in table[1]:  # a parameter, or the kept copy of a refused tensor
             if name not in arrays:  # threads may both fill it: the same array either way
-                arrays[name] = (_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy()
+                arrays[name] = _host(params[name], name) if isinstance(name, str) else self._kept[name].numpy()
             targets.append(arrays[name])
         return whole_walk.WholeWalk(packed, table[0], targets).apply()
 
@@ -816,7 +816,7 @@ class EngineFollower:
             if name not in arrays:
                 if isinstance(name, int) and name not in self._kept:
                     raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
-                arrays[name] = (_flat(params[name]) if isinstance(name, str) else self._kept[name]).numpy()
+                arrays[name] = _host(params[name], name) if isinstance(name, str) else self._kept[name].numpy()
         return sparse_walk.Walk(packed, table[0], [arrays[name] for name in table[1]])
 
     def _segments_of(self, rank: int, i: int) -> tuple[sparse_walk.Segments, list[str | int]] | None:
@@ -1094,6 +1094,16 @@ def _shift(where: slice | Tensor, by: int) -> slice | Tensor:
 
 def _flat(tensor: Tensor) -> Tensor:
     return tensor.detach().view(-1).view(torch.int16)
+
+
+def _host(tensor: Tensor, name: str) -> np.ndarray:
+    """A CPU parameter's elements as int16 numpy (its own memory, for a walk); one left on the meta
+    device (an engine reload that did not finish) holds nothing to write into."""
+    if tensor.is_meta:
+        raise ModelMismatchError(
+            f"{name} is on the meta device (the engine's reload did not finish): restart the engine"
+        )
+    return _flat(tensor).numpy()
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:
