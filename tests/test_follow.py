@@ -135,7 +135,8 @@ def test_a_follower_takes_group_rank_0s_decisions_whatever_the_other_workers_say
     assert_exact(first, trainer.truth)
     trainer.steps(2)
     rest = list(until(follower, 6))
-    assert rest[-1].step == 6 and all(f.behind == 0 for f in rest)
+    # step 5 may be verified after step 6 was committed (behind 1), never worker 1's 1000 behind
+    assert rest[-1].step == 6 and all(f.behind <= 6 - f.step for f in rest)
     trainer.publisher.close()
 
 
