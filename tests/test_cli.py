@@ -76,7 +76,9 @@ def test_an_unknown_override_key_fails(tmp_path):
 
 def test_inspect(chain, capsys):
     code, out, _ = run_cli(capsys, "inspect", chain, "--json")
-    rows = json.loads(out)
+    report = json.loads(out)
+    assert (report["signer"], report["signer_checked"]) == (None, False) and report["run_id"]
+    rows = report["steps"]
     assert code == 0 and [r["step"] for r in rows] == list(range(1, 13))
     assert [r["kind"] for r in rows][:6] == ["base", "delta", "delta", "delta", "delta", "base"]
     delta = rows[1]
@@ -177,7 +179,7 @@ def test_cost_counts_what_loaders_move(chain, capsys):
     late.steps()
     late.state_dict(12)
     assert readers["late_joiner_at_12"]["per_region"] == late.last_report.bytes_read
-    rows = json.loads(run_cli(capsys, "inspect", chain, "--json")[1])
+    rows = json.loads(run_cli(capsys, "inspect", chain, "--json")[1])["steps"]
     assert readers["stored"]["per_region"] == sum(r["bytes"] for r in rows)
     full = readers["full_every_step"]
     assert full["per_region"] == 12 * rows[0]["dense_bytes"] and full["total"] == 3 * full["per_region"]
@@ -240,7 +242,7 @@ def test_inspect_and_cost_mark_damaged_steps_and_go_on(chain, tmp_path, capsys):
     shutil.copytree(chain, broken)
     (broken / fmt.blob_path(8, 0, 1)).unlink()  # committed, but its object is gone
     code, out, _ = run_cli(capsys, "inspect", str(broken), "--json")
-    rows = json.loads(out)
+    rows = json.loads(out)["steps"]
     assert code == 0 and [r["step"] for r in rows] == list(range(1, 13))
     assert "committed but missing" in rows[7]["damaged"] and all("damaged" not in r for r in rows[:7])
     code, out, _ = run_cli(capsys, "inspect", str(broken))
@@ -325,7 +327,7 @@ def test_storage_options_reach_a_non_default_endpoint(s3_url, capsys):
         publisher.publish(1)
     endpoint = json.dumps({"client_kwargs": options["client_kwargs"]})
     code, out, _ = run_cli(capsys, "inspect", url, "--json", "--storage-options", endpoint)
-    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
+    assert code == 0 and [r["step"] for r in json.loads(out)["steps"]] == [1]
 
 
 def test_help_answers_without_importing_torch():

@@ -547,6 +547,10 @@ def test_cli_keygen_and_trust(tmp_path, capsys, keys):
     assert main(["inspect", real, "--trust", key + ".pub"]) == 0
     out = capsys.readouterr().out
     assert "checked against --trust" in out and "DAMAGED: SignatureError" in out
+    assert main(["inspect", real, "--trust", key + ".pub", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["signer"], report["signer_checked"]) == (PublicKey.load(key + ".pub").text, True)
+    assert "SignatureError" in report["steps"][2]["damaged"]
     out_file = str(tmp_path / "w.safetensors")
     assert main(["materialize", real, "--step", "3", out_file, "--trust", key + ".pub"]) == 2
     assert not os.path.exists(out_file)

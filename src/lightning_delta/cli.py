@@ -89,15 +89,18 @@ def step_summary(store: Store, world: int, step: int) -> dict[str, Any]:
     }
 
 
-def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    store, manifest = open_run(args)
-    return [step_summary(store, manifest.world_size, s) for s in store.published_steps()]
+def _rows(store: Store, run: Run) -> list[dict[str, Any]]:
+    return [step_summary(store, run.world_size, s) for s in store.published_steps()]
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    rows = _rows(args)
+    store, run = open_run(args)
+    rows = _rows(store, run)
+    signer = run.manifest.signer
     if args.json:
-        return _emit(rows)
+        return _emit(
+            {"run_id": run.run_id, "signer": signer, "signer_checked": bool(signer and store.trust), "steps": rows}
+        )
     print(f"{'step':>8} {'kind':>6} {'bytes':>14} {'changed':>8} {'of full':>8} {'age':>8}")
     now = time.time()
     for r in rows:
@@ -110,8 +113,6 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"{r['step']:8d} {r['kind']:>6} {r['bytes']:14,d} {100 * r['changed_fraction']:7.2f}% "
                 f"{100 * r['ratio_to_full']:7.2f}% {_age(now - r['created']):>8}"
             )
-    store, run = open_run(args)
-    signer = run.manifest.signer
     checked = "checked against --trust" if store.trust else "not checked: pass --trust KEY.pub"
     print(f"run {run.run_id}: " + (f"signed by {signer} ({checked})" if signer else "unsigned"))
     return 0
@@ -199,8 +200,8 @@ def _alias(text: str) -> tuple[str, str]:
 def _cost(args: argparse.Namespace) -> int:
     from .traffic import window_cost
 
-    store, _ = open_run(args)
-    rows = [r for r in _rows(args) if r["complete"]]
+    store, run = open_run(args)
+    rows = [r for r in _rows(store, run) if r["complete"]]
     readable = [r["step"] for r in rows if "damaged" not in r]
     if not readable:
         raise SnapshotNotFoundError(f"no complete, readable step in {args.store}")
