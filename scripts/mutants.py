@@ -4,6 +4,7 @@ the fast tests named for it must fail.  A mutant that survives is a guarantee no
     .venv/bin/python scripts/mutants.py              # every mutant; exit 1 if any survives
     .venv/bin/python scripts/mutants.py --list       # what each one breaks
     .venv/bin/python scripts/mutants.py value-checksum engine-undo
+    .venv/bin/python scripts/mutants.py --multi-process  # a replica's, by two-process tests (not CI)
 
 The real tree is never edited: each mutant is applied to a fresh copy of src/ and its tests run
 with `PYTHONPATH=<copy>/src`.  Each names the exact source text it replaces (which must occur
@@ -138,6 +139,14 @@ MUTANTS = (
         ("tests/test_follow.py::-k rank_0s_decisions",),
     ),
     Mutant(
+        "replica-newest",
+        "a replica's workers all load group rank 0's newest step",
+        "loader.py",
+        "        newest = self.decide(newest)[0]  # every worker of a replica takes group rank 0's newest\n",
+        "        newest = self.decide(newest)[-1]\n",
+        ("tests/test_follow.py::-k rank_0s_newest",),
+    ),
+    Mutant(
         "part-signature",
         "with trusted keys, a commit marker must be signed by the run's signer over its run, step, rank, kind and blob",
         "signing.py",
@@ -154,6 +163,104 @@ MUTANTS = (
         ("tests/test_mirror.py::-k damaged",),
     ),
 )
+
+
+COLLECTIVES = "tests/test_distributed.py::-k rank_that_fails_in_any_collective"
+REPLICA = "tests/test_distributed.py::-k replica"
+
+MULTI_PROCESS = (
+    Mutant(
+        "exchange-failure-seen",
+        "a rank that failed before a collective makes every rank raise, none goes on with its result",
+        "replica.py",
+        "        if status != _OK and failure is None:\n",
+        "        if False:\n",
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-first-failure",
+        "with several failing ranks, every rank raises the first failing rank's error",
+        "replica.py",
+        "        if status != _OK and failure is None:\n",
+        "        if status != _OK:\n",
+        ("tests/test_replica.py",),
+    ),
+    Mutant(
+        "exchange-own-type",
+        "the failing rank raises its own DeltaError, the type the others raise",
+        "replica.py",
+        "            raise mine\n",
+        "            raise DeltaError(str(mine)) from mine\n",
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-foreign-wrapped",
+        "an error that is not a DeltaError is a DeltaError on the failing rank too: one decision, one type",
+        "replica.py",
+        '            raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine\n',
+        "            raise mine\n",
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-error-type",
+        "the others raise the failing rank's DeltaError subclass",
+        "replica.py",
+        '        raise errors.by_name(kind)(f"worker {src} of the group: {message}")\n',
+        '        raise DeltaError(f"worker {src} of the group: {message}")\n',
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-rest-of-sizes",
+        "more items than the head holds sizes for: the rest of the sizes follow in a second broadcast",
+        "replica.py",
+        "        if values[1] + 2 > _HEAD:  # more sizes than the head holds: the rest follow\n",
+        "        if False:\n",
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-inline-bound",
+        "items travel in the head only where they fit after the status, count and sizes",
+        "replica.py",
+        "    return 2 + len(sizes) + _aligned(sizes)[-1] // 8 <= _HEAD\n",
+        "    return 1 + len(sizes) + _aligned(sizes)[-1] // 8 <= _HEAD\n",
+        (COLLECTIVES,),
+    ),
+    Mutant(
+        "exchange-alignment",
+        "items start 8-byte aligned, so a receiver views int64 positions without a copy",
+        "replica.py",
+        "        starts.append(starts[-1] + (n + 7) // 8 * 8)\n",
+        "        starts.append(starts[-1] + n)\n",
+        (REPLICA, COLLECTIVES),
+    ),
+    Mutant(
+        "replica-held-agreed",
+        "workers that hold different steps decode the step from its base, not each against its own state",
+        "loader.py",
+        "            if len(set(exchange_bytes(mine, self.group, self._group_device))) > 1:\n",
+        "            if exchange_bytes(mine, self.group, self._group_device) and False:\n",
+        (REPLICA, COLLECTIVES),
+    ),
+    Mutant(
+        "replica-patch-verified",
+        "each worker checks the patches the others send against its own held state before anyone writes",
+        "loader.py",
+        "                    patches.verify_against(run, rank, got, held[rank] if held else None, sink)\n",
+        "                    pass\n",
+        (REPLICA,),
+    ),
+    Mutant(
+        "replica-refusal-shared",
+        "a worker that refused another's patch makes every worker refuse the step: none writes",
+        "loader.py",
+        "        exchange_bytes(status, self.group, self._group_device)  # raises on every worker if any refused\n",
+        '        exchange_bytes(b"", self.group, self._group_device)\n',
+        (REPLICA,),
+    ),
+)
+"""Mutants of a replica's collectives and decisions (replica.py, and the loader's exchange), which
+run only in torchrun ranks, where a mutation tool's per-process tracing cannot see them; killed by
+the two-process tests (a few minutes each), so not run by CI: `scripts/mutants.py --multi-process`."""
 
 
 def pytest_args(spec: str) -> list[str]:
@@ -188,11 +295,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="print each mutant and exit")
+    parser.add_argument(
+        "--multi-process", action="store_true", help="the replica's mutants instead, killed by two-process tests"
+    )
     args = parser.parse_args()
-    unknown = set(args.names) - {m.name for m in MUTANTS}
+    mutants = MULTI_PROCESS if args.multi_process else MUTANTS
+    unknown = set(args.names) - {m.name for m in mutants}
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
-    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    chosen = [m for m in mutants if not args.names or m.name in args.names]
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.guarantee}\n  {m.file}: {m.line.strip()!r} -> {m.mutation.strip()!r}\n  {m.tests}")

@@ -61,8 +61,10 @@ def test_decode_of_encode_is_bit_identical(pair, options):
     base = codec.encode(None, new, options)
     assert bitwise_equal(codec.decode(None, base, numel=new.numel(), dtype=new.dtype), new)
     reused = torch.full_like(new, 3.0)  # a previous step's buffer: every element is overwritten
-    assert bitwise_equal(codec.decode(old, payload, out=reused), new)
-    assert bitwise_equal(codec.decode(None, base, numel=new.numel(), dtype=new.dtype, out=reused.fill_(3.0)), new)
+    assert codec.decode(old, payload, out=reused) is reused and bitwise_equal(reused, new)
+    reused.fill_(3.0)
+    assert codec.decode(None, base, numel=new.numel(), dtype=new.dtype, out=reused) is reused
+    assert bitwise_equal(reused, new)
 
 
 @st.composite
@@ -149,6 +151,18 @@ def test_decode_into_out_refuses_old_itself_and_another_dtype():
         codec.decode(None, base, numel=1000, dtype=torch.bfloat16, out=torch.empty(1000, dtype=torch.float16))
     with pytest.raises(FormatError, match=r"expected torch\.float16"):
         codec.decode(None, base, numel=1000, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^decoding without `old` needs the expected `numel` and `dtype`$"):
+        codec.decode(None, base, numel=1000)
+    # `old` stated twice: it must agree with itself
+    assert bitwise_equal(codec.decode(old, payload, numel=1000, dtype=torch.bfloat16), new)
+    with pytest.raises(ValueError, match=r"^`old` is torch\.bfloat16 of 1000 elements, not torch\.float16 of 1000$"):
+        codec.decode(old, payload, numel=1000, dtype=torch.float16)
+
+
+def test_an_lz4_section_larger_than_its_block_format_holds_is_refused_before_decompressing():
+    size = codec._LZ4_MAX + 1
+    with pytest.raises(FormatError, match=f"^an lz4 block holds at most {codec._LZ4_MAX} bytes, this section {size}$"):
+        codec._lz4_decompress(memoryview(b"\0"), size)
 
 
 @settings(max_examples=100, deadline=None)
@@ -157,8 +171,19 @@ def test_decoded_change_lists_exactly_the_changed_elements(pair):
     old, new = pair
     decoded = codec.decode_change(old, codec.encode(old, new))
     if decoded.change is not None:
-        expected = (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
-        assert torch.equal(decoded.change.index, expected)
+        change, expected = decoded.change, (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
+        assert torch.equal(change.index, expected)
+        assert torch.equal(change.old, old.view(torch.int16)[expected])
+        assert torch.equal(change.new, new.view(torch.int16)[expected])
+        assert (change.numel, change.dtype) == (old.numel(), old.dtype)
+
+
+def test_a_sparse_payload_without_the_previous_tensor_is_refused_with_what_it_needs():
+    old = torch.randn(1000).to(torch.bfloat16)
+    payload = codec.encode(old, (old.view(torch.int16) + 1).view(torch.bfloat16))
+    assert codec.mode_of(payload) == Mode.SPARSE
+    with pytest.raises(FormatError, match=r"^a SPARSE tensor payload needs the previous tensor to decode against$"):
+        codec.decode(None, payload, numel=1000, dtype=torch.bfloat16)
 
 
 def test_nothing_changed_is_a_tiny_payload():

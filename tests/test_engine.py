@@ -463,6 +463,28 @@ def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog)
     assert live.prepare(4).report.changed == numel  # the next load is whole, from its base
 
 
+def test_a_weight_changed_after_a_step_was_verified_ahead_is_caught_before_the_write(store_url):
+    """CLASSED deltas are decoded by torch, not walked (whose own check is above): a step verified
+    ahead, as a prefetched one is, is checked once more against the weights it will be written
+    over, and nothing is written if one changed since."""
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert not prepared.walked  # the torch path, which `write(check=True)` checks
+    q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
+    # its lowest mantissa bit: the exponent classes the CLASSED payload was made against stay
+    engine.qkv.data.view(torch.int16).view(-1)[int((q3 != q2).nonzero()[0])] ^= 1
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(ChecksumError, match="changed behind the follower's back since step 3 was verified"):
+        live.write(prepared, check=True)
+    assert all(torch.equal(engine.state()[k], v) for k, v in before.items())  # nothing was written
+    assert live.held_step is None
+    live.write(live.prepare(3))  # the next load is whole, from its base
+    assert exact(engine, truth[3])
+
+
 def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
     """`forget` (a probe found the engine computing what its weights do not say): the follower holds
     no step, a step it prefetched is dropped, and the next update writes every element, from a base,

@@ -140,6 +140,15 @@ def test_a_follower_takes_group_rank_0s_decisions_whatever_the_other_workers_say
     trainer.publisher.close()
 
 
+def test_a_replica_loads_group_rank_0s_newest_step_whatever_the_other_workers_list(store_url):
+    trainer = Trainer(store_url)
+    trainer.steps(4)
+    step, state = _OutvotedLoader(store_url).state_dict()  # the newest: worker 1 lists 1004
+    assert step == 4
+    assert all(bitwise_equal(state[n], t) for n, t in trainer.truth[4].items())
+    trainer.publisher.close()
+
+
 def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store_url, caplog):
     trainer = Trainer(store_url, base_every=5)  # bases at 1, 6, 11
     trainer.steps(9)
