@@ -1004,6 +1004,11 @@ class EngineFollower:
         thread.start()
         self._prefetch = (thread, stop, result)
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether a prefetcher runs (it may read the engine's weights at any moment)."""
+        return self._prefetch is not None and self._prefetch[0].is_alive()
+
     def take(self, step: int | None) -> tuple[EngineStep, bool]:
         """The verified `step` (None: the newest), and whether it had been prefetched."""
         return self._take(step, verify=True)
