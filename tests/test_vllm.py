@@ -201,6 +201,7 @@ def test_the_probe_runs_through_vllm_serve_without_insecure_serialization(tmp_pa
         assert result[key]["code"] == 200 and 0 <= result[key]["error"] <= 0.02, key  # vllm_job.PROBE_TOLERANCE
     status = result["status"]
     assert status["step"] == 2 and status["asleep"] is None and len(status["probe"]) == 4 * 31
+    assert result["verify"] == 200
     assert result["distrusted"] is None and result["resynced"] == 2
 
 

@@ -410,7 +410,7 @@ def sleep_mode(work: str) -> dict[str, Any]:
     the follower while they slept.  A step published while asleep, and an update asked for then."""
     from vllm import LLM
 
-    from lightning_delta.vllm_backend import STATUS, EngineAsleepError, check_probe
+    from lightning_delta.vllm_backend import STATUS, VERIFY, EngineAsleepError, check_probe
 
     trainer = Trainer(work)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE)
@@ -461,7 +461,7 @@ def sleep_mode(work: str) -> dict[str, Any]:
 
     def check(key: str) -> None:
         status = llm.collective_rpc(STATUS)[0]
-        worker.weight_transfer_engine.verify()  # every weight rehashed against the trainer's checksums
+        llm.collective_rpc(VERIFY)  # every weight rehashed against the trainer's checksums
         result[key] = {"step": status["step"], "probe": check_probe(llm, PROBE), "threads": _prefetchers()}
 
     trainer.publish(1)
@@ -473,7 +473,7 @@ def sleep_mode(work: str) -> dict[str, Any]:
     trainer.publish(3)  # the prefetcher, were it running, would read the poisoned weights for it
     update(3, "update_asleep")
     try:
-        worker.weight_transfer_engine.verify()
+        llm.collective_rpc(VERIFY)
     except EngineAsleepError as err:
         result["errors"]["verify_asleep"] = str(err)
     llm.wake_up(tags=["weights"])
@@ -758,9 +758,9 @@ def serve(work: str) -> dict[str, Any]:
 
 def probe_serve(work: str) -> dict[str, Any]:
     """The probe through `vllm serve` (`probe_through_server`), with no process allowed insecure
-    serialization: steps 1 and 2 within the tolerance; the engine told to hold no step through
-    `/collective_rpc`, then re-synced by the next update."""
-    from lightning_delta.vllm_backend import DISTRUST, STATUS, probe_through_server
+    serialization: steps 1 and 2 within the tolerance; the full check by name; the engine told to
+    hold no step through `/collective_rpc`, then re-synced by the next update."""
+    from lightning_delta.vllm_backend import DISTRUST, STATUS, VERIFY, probe_through_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -792,6 +792,7 @@ def probe_serve(work: str) -> dict[str, Any]:
         for step in (1, 2):
             result[str(step)] = {"code": update(step), "error": probe_through_server(base, f"{work}/model", PROBE)}
         result["status"] = status()
+        result["verify"] = _post(f"{base}/collective_rpc", {"method": VERIFY})[0]  # the full check, by name
         _post(f"{base}/collective_rpc", {"method": DISTRUST})
         result["distrusted"] = status()["step"]
         result["resync"] = {"code": update(2), "error": probe_through_server(base, f"{work}/model", PROBE)}

@@ -17,7 +17,10 @@ engine on a GPU; on the CPU, with `LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=1`, which 
 prepacking linear weights) are written in place, only their changed elements; the others
 (prepacked, quantized, cast) are kept here and go through vLLM's layerwise reload whenever one of
 them changes.  Every object of a step is fetched and verified before anything is written; a step
-that fails leaves the engine serving the previous one, bit for bit.
+that fails leaves the engine serving the previous one, bit for bit.  vLLM's sleep mode stops the
+prefetcher before the weights go, and updates wait for the weights to wake.  The backend adds
+methods to its worker, called by name (`STATUS`, `DISTRUST`, `VERIFY`): plain values, so neither
+`check_probe` nor `probe_through_server` (for `vllm serve`) needs insecure serialization.
 """
 
 from __future__ import annotations
@@ -53,8 +56,11 @@ from .store import Store
 from .viewmap import ViewMap
 
 __all__ = [
+    "DISTRUST",
     "NAME",
     "PLAIN_WEIGHTS",
+    "STATUS",
+    "VERIFY",
     "DeltaInitInfo",
     "DeltaUpdateInfo",
     "EngineAsleepError",
@@ -201,7 +207,7 @@ class EngineAsleepError(DeltaError):
     (`llm.wake_up(tags=["weights"])`, or `/wake_up?tags=weights`), then update."""
 
 
-STATUS, DISTRUST = "lightning_delta_status", "lightning_delta_distrust"
+STATUS, DISTRUST, VERIFY = "lightning_delta_status", "lightning_delta_distrust", "lightning_delta_verify"
 """The worker methods the backend adds to the vLLM worker it belongs to, called by name through
 `llm.collective_rpc(NAME)` or `vllm serve`'s `POST /collective_rpc {"method": NAME}`: plain
 values in and out, so no process needs `VLLM_ALLOW_INSECURE_SERIALIZATION`."""
@@ -285,11 +291,12 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             self._prefetch = False
             log.warning(
                 "lightning_delta: the vLLM worker of this backend was not found (vllm %s is tested): prefetch is "
-                "off, so that no thread reads weights that sleep mode may free, and the %s and %s methods are "
-                "missing",
+                "off, so that no thread reads weights that sleep mode may free, and its named methods (%s, %s, %s) "
+                "are missing",
                 TESTED_VLLM,
                 STATUS,
                 DISTRUST,
+                VERIFY,
             )
         self._resume_prefetch()
 
@@ -349,8 +356,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
 
     def verify(self) -> None:
         """The full check now (`full_check="on_demand"`'s trigger; every worker of the group calls
-        it together, through `llm.collective_rpc`): `ChecksumError` if the engine's weights are no
-        longer the step applied, and then the next update loads a step from its base."""
+        it together, through `llm.collective_rpc(VERIFY)`): `ChecksumError` if the engine's weights
+        are no longer the step applied, and then the next update loads a step from its base."""
         if self.follower is None:
             raise RuntimeError("call init_weight_transfer_engine first")
         if self.asleep is not None:
@@ -394,7 +401,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     @staticmethod
     def _attach(worker: Any) -> None:
         """Wrap the worker's `sleep` and `wake_up` (vLLM reaches every worker through them, by name,
-        and tells the backend nothing), and add the named methods `STATUS` and `DISTRUST`; once a
+        and tells the backend nothing), and add the named methods `STATUS`, `DISTRUST` and `VERIFY`; once a
         worker: each call goes to the backend the worker holds then (an init again makes another)."""
         if getattr(worker, STATUS, None) is not None:
             return
@@ -416,6 +423,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         worker.sleep, worker.wake_up = sleeping, waking
         setattr(worker, STATUS, lambda: backend().status())
         setattr(worker, DISTRUST, lambda: backend().distrust())
+        setattr(worker, VERIFY, lambda: backend().verify())
 
     def fall_asleep(self, level: int) -> None:
         """vLLM is about to offload (level 1) or discard (2) the weights: the prefetcher stops first
