@@ -240,6 +240,30 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     assert reports[0]["oom_calls"] == [0, 0] and reports[1]["oom_calls"][1] >= 1, reports[1]  # as it walked whole
 
 
+def test_a_worker_that_fails_before_a_classed_decode_asks_for_exponents_fails_the_group_promptly(tmp_path):
+    """A CLASSED payload's decode asks the group for the held exponents (an exchange, then an
+    all-reduce): worker 1 fails before it reaches that (decoding, filling in its exponents, writing)
+    while worker 0 asks.  Both raise worker 1's error as the same `DeltaError`, no hang (the timeout
+    of `torchrun`), nothing written before the point of no return, and after a failed write both
+    re-sync from a base, exactly."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(ROOT / "tests" / "classed_job.py", str(tmp_path / "store"), str(out), timeout=150)
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["modes"] == ["CLASSED"] and report["payloads"] == 2
+        for case, error in (("decode", "OutOfMemoryError"), ("fill", "RuntimeError")):
+            kind, message, untouched, held = report[case]
+            assert kind == "DeltaError" and f"worker 1 of the group: {error}" in message, (case, report[case])
+            assert untouched and held == 1, (case, report[case])
+        kind, message, _, held = report["write"]
+        assert kind == "DeltaError" and "worker 1 of the group: OutOfMemoryError" in message and held is None
+        assert report["resync"][0] == report["then"][0] == "ok" and report["resync_exact"] and report["then_exact"]
+    # worker 0 asked the group for exponents worker 1 never asked for, and wrote on after worker 1 failed
+    assert reports[0]["decode_asked"] > reports[1]["decode_asked"] >= 1
+    assert reports[0]["write_calls"] > reports[1]["write_calls"] == 1 and reports[1]["write"][2]
+
+
 # ----------------------------------------------------------------------------- stores that fill out of order
 
 

