@@ -502,11 +502,16 @@ def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("context", [Context.EXPONENT, Context.NONE], ids=lambda c: c.name)
-def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context):
+@pytest.mark.parametrize(
+    ("context", "apply"),
+    [(Context.EXPONENT, None), (Context.NONE, None), (Context.NONE, ApplyBackend.DEVICE)],
+    ids=["EXPONENT", "NONE", "NONE-device"],
+)
+def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context, apply):
     out = tmp_path / "out"
     out.mkdir()
-    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out), context.name)
+    backend = [apply.name] if apply is not None else []
+    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out), context.name, *backend)
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["exact"] == [True] * 4 and report["untouched"] == [True, True]
@@ -517,6 +522,7 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
         # and the damaged 7, whose walks were taken back ("untouched")
         assert report["warned"] == (context == Context.EXPONENT)
         assert report["walked"] == (0 if context == Context.EXPONENT else 6)
+        assert report["on_device"] == (6 if apply == ApplyBackend.DEVICE else 0)
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]
