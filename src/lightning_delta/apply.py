@@ -130,6 +130,8 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
         raise ValueError("the device walk needs triton (pip install triton; it ships with CUDA builds of torch)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the device walk runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)")
+    if device.type == "cuda" and device.index is None:  # a table's parameters are on one device, by index
+        device = torch.device("cuda", torch.cuda.current_device())
     return DeviceWalker(device)
 
 

@@ -7,10 +7,11 @@ changes.  A tensor-parallel worker holds only slices, so a step is decoded into 
 exponents of a CLASSED payload, which the workers assemble with one all-reduce of a byte per
 element), verified by the checksums' partial sums over the changes each worker owns, all-reduced
 over the group before anything is written, and then every worker writes `old + step` at the
-positions it holds.  On the CPU, a SPARSE payload one step from the state held is instead walked
-(`sparse_walk`): decoded, checked and written in one pass over the engine's memory, not two, its
-partial sums all-reduced once every payload is walked, and every walk taken back exactly (steps
-add mod 2**16) if any worker's check fails, so a failed step still leaves nothing written.  The
+positions it holds.  A SPARSE payload one step from the state held is instead walked (`apply`:
+`sparse_walk` on the CPU, `device_walk`'s Triton kernels on a GPU): decoded, checked and written
+in one pass over the engine's memory, not two, its partial sums summed over the group once every
+payload is walked, and every walk taken back exactly (steps add mod 2**16) if any worker's check
+fails, so a failed step still leaves nothing written.  The
 workers share one download: each fetches the parts of a share of the trainer ranks, and sends the
 others the blobs, which every receiver checks against their markers.
 
