@@ -14,6 +14,7 @@ and takes the walk back when the group's check fails.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -27,12 +28,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from conftest import replace_blob
 from fused import Engine
-from lightning_delta import DeltaError, Store, device_walk, sparse_walk
+from lightning_delta import DeltaError, Store, device_walk, replica, sparse_walk
+from lightning_delta import apply as walkers
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import Context
-from lightning_delta.engine import EngineFollower
+from lightning_delta.engine import EngineFollower, EngineStep
 from lightning_delta.viewmap import ViewMap
 from test_engine import publish
 
@@ -82,6 +84,8 @@ def main() -> None:
             if context == Context.EXPONENT:
                 prepared = follower.prepare(step)
                 follower.write(prepared)
+            elif apply == ApplyBackend.DEVICE and step == 3:
+                prepared = audited_update(follower, step, report)
             else:
                 prepared, _, _ = follower.update(step)
         except DeltaError as err:
@@ -104,6 +108,41 @@ def main() -> None:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
+
+
+def host_only(at: str) -> bool:
+    """Whether a read at `file:line` is in code that reads only host memory, by construction: the
+    gloo exchange (the follower hands it the CPU) and the fetch that unpacks what it received."""
+    file, line = at.rsplit(":", 1)
+    for code in (replica.exchange, replica.exchange_bytes, EngineFollower._fetch):
+        lines, first = inspect.getsourcelines(code)
+        if os.path.samefile(file, inspect.getsourcefile(code) or "") and first <= int(line) < first + len(lines):
+            return True
+    return False
+
+
+def audited_update(follower: EngineFollower, step: int, report: dict) -> EngineStep:
+    """`update` of a step in sync through the device walk, under test_kernels' sync audit: what
+    waited for the device before the decision, besides the host reads of the group's exchange
+    (`host_only`), and how many of those there were."""
+    from test_kernels import audited
+
+    settle = walkers.DeviceWalker.settle
+    with audited() as syncs:
+
+        def decision(self: walkers.DeviceWalker, payloads: Any, moved: Any) -> list[int]:
+            syncs.seen.append(("the decision", ""))
+            return settle(self, payloads, moved)
+
+        walkers.DeviceWalker.settle = decision  # type: ignore[method-assign]
+        try:
+            prepared, _, _ = follower.update(step)
+        finally:
+            walkers.DeviceWalker.settle = settle  # type: ignore[method-assign]
+    before = syncs.seen[: [what for what, _ in syncs.seen].index("the decision")]
+    report["waits_before_decision"] = [f"{what} {at}" for what, at in before if not host_only(at)]
+    report["host_exchange_reads"] = sum(host_only(at) for _, at in before)
+    return prepared
 
 
 if __name__ == "__main__":
