@@ -22,7 +22,6 @@ reload and the group.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
-from . import codec, sparse_walk, whole_walk
+from . import codec, plan, sparse_walk, whole_walk
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
@@ -170,7 +169,9 @@ class EngineFollower:
         per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
         self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
-        self._segments = self._segment_tables()
+        self._segments = plan.segment_tables(
+            self._views, self._names, self._shapes, view_map, self._owned, self.rank, self._walker, self.group
+        )
         if self._segments and self.device.type == "cpu":
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
             whole_walk.compile()
@@ -803,55 +804,6 @@ class EngineFollower:
         """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
         name, the kept copy of a refused tensor by its index), or None where it is not walked."""
         return self._segments.get((rank, i))
-
-    def _segment_tables(self) -> dict[tuple[int, int], tuple[sparse_walk.Segments, list[str | int]]]:
-        """The payloads every worker of the group can walk (with the follower's walker; into
-        tensors held as runs or 2-D blocks), with this worker's segment tables: the group walks the
-        same payloads, or its partial sums would not line up."""
-        tables = {}
-        mine: list[tuple[int, int]] | Exception
-        try:
-            if self._walker is not None:
-                for rank, payloads in enumerate(self._views):
-                    for i, view in enumerate(payloads):
-                        table = self._segment_table(view)
-                        if table is not None and self._walker.takes(table[1]):
-                            tables[rank, i] = table
-            mine = sorted(tables)
-        except Exception as err:
-            mine = err
-        walkable = set(tables)
-        for theirs in self._gather_json(mine):
-            walkable &= {(rank, i) for rank, i in theirs}
-        return {key: tables[key] for key in sorted(walkable)}
-
-    def _segment_table(self, view: PayloadView) -> tuple[sparse_walk.Segments, list[str | int]] | None:
-        rows: list[list[int]] = []
-        names: dict[str | int, int] = {}
-        for s, offset in zip(view.slices, view.offsets, strict=False):
-            name, shape = self._names[s.tensor], self._shapes[s.tensor]
-            if name not in self.map.boxes:  # the kept copy: counted once, by group rank 0
-                kept = names.setdefault(s.tensor, len(names))
-                rows.append([offset, offset + s.numel, kept, s.start, 0, 0, 0, 0, 0, 0, 0, int(self.rank == 0)])
-                continue
-            for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
-                param, first = names.setdefault(box.param, len(names)), box.run_start(shape)
-                if first is not None:  # a run of the tensor
-                    lo, hi = max(first, s.start), min(first + box.numel, s.start + s.numel)
-                    geometry = [box.offset + lo - first, 0, 0, 0, 0, 0, 0, 0]
-                elif len(shape) == 2 and box.strides[1] == 1:  # a block of rows and columns
-                    columns, row = shape[1], box.start[0]
-                    lo, hi = max(row * columns, s.start), min((row + box.shape[0]) * columns, s.start + s.numel)
-                    geometry = [box.offset, lo, columns, row, box.shape[0], box.start[1], box.shape[1], box.strides[0]]
-                else:
-                    return None
-                if hi > lo:
-                    rows.append([offset + lo - s.start, offset + hi - s.start, param, *geometry, int(owned)])
-        rows.sort()
-        if any(a[1] > b[0] for a, b in itertools.pairwise(rows)):
-            return None  # several blocks of one tensor side by side: more than one segment a position
-        rows_array = np.array(rows, dtype=np.int64).reshape(-1, len(sparse_walk.SEGMENT_FIELDS))
-        return sparse_walk.Segments(rows_array, view.numel), list(names)
 
     def _kept_tensors(self) -> dict[str, Tensor]:
         specs = self.run.manifest.tensors
