@@ -62,10 +62,10 @@ MUTANTS = (
     ),
     Mutant(
         "engine-walk-checksum",
-        "the CPU walk's checksum: a step walked in unchecked is checked as it is written",
-        "engine.py",
-        "            for (rank, i, want), got in zip(expected, sums, strict=True):\n                if got != want:\n",
-        "            for (rank, i, want), got in zip(expected, sums, strict=True):\n                if False:\n",
+        "a walk's checksum (CPU or device): a step walked in unchecked is checked as it is written",
+        "apply.py",
+        "            if got != payload.moved:\n",
+        "            if False:\n",
         ("tests/test_engine.py::-k only_its_checksum and update and walk",),
     ),
     Mutant(
@@ -79,10 +79,18 @@ MUTANTS = (
     Mutant(
         "engine-undo",
         "a walk that fails takes back everything it wrote: the engine holds the step it held",
-        "engine.py",
-        "                self._walk_of(rank, i, prepared.chains[rank][0], params, arrays).undo(changes)\n",
-        "                pass\n",
+        "apply.py",
+        "            walk.undo()\n",
+        "            pass\n",
         ("tests/test_engine.py::-k only_its_checksum and update and walk",),
+    ),
+    Mutant(
+        "device-undo",
+        "the device walk's undo subtracts what its write added: the engine holds the step it held",
+        "device_walk.py",
+        "            self._decode(check=False, sign=-1)\n",
+        "            pass\n",
+        ("tests/test_engine.py::-k only_its_checksum and update and device",),
     ),
     Mutant(
         "engine-whole-checksum",

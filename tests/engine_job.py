@@ -1,22 +1,25 @@
 """Two processes, first the trainer's two ranks, then two tensor-parallel workers of the stand-in
 engine (tests/fused.py) following the chain they wrote:
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/engine_job.py STORE OUT CONTEXT
+    python -m torch.distributed.run --nproc-per-node 2 tests/engine_job.py STORE OUT CONTEXT [APPLY]
 
 Rank 0 damages a payload of step 7 between the two.  Each worker learns its view map, follows
 steps 1, 2, 3, 6, 7, 8 and writes OUT/rank-R.json: whether its parameters equal its slices of the
 trainer's tensors after each step, what it fetched, and the errors it met.  CONTEXT `EXPONENT`:
 CLASSED deltas, prepared (decoded and checked) then written; `NONE`: SPARSE deltas through
 `update`, which walks each step in sync into the parameters, checked as it is written
-(`sparse_walk`), and takes the walk back when the group's check fails.
+(`sparse_walk`, or with APPLY `DEVICE` the device walk's Triton kernels under the interpreter),
+and takes the walk back when the group's check fails.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,17 +28,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from conftest import replace_blob
 from fused import Engine
-from lightning_delta import DeltaError, Store, sparse_walk
+from lightning_delta import DeltaError, Store, device_walk, replica, sparse_walk
+from lightning_delta import apply as walkers
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
+from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import Context
-from lightning_delta.engine import EngineFollower
+from lightning_delta.engine import EngineFollower, EngineStep
 from lightning_delta.viewmap import ViewMap
 from test_engine import publish
 
 
 def main() -> None:
     store_url, out, context = sys.argv[1], sys.argv[2], Context[sys.argv[3]]
+    apply = ApplyBackend[sys.argv[4]] if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     truth = publish(store_url, context)  # as the trainer's two ranks, each its half
@@ -56,26 +62,30 @@ def main() -> None:
         for name, tensor in tensors.items():
             engine.load_weights(name, tensor)
 
-    follower = EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload, group=dist.group.WORLD)
+    params = lambda: dict(engine.named_parameters())  # noqa: E731
+    follower = EngineFollower(store, view_map, params, reload, group=dist.group.WORLD, apply=apply)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("lightning_delta.engine").addHandler(handler)
     report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
-    walks = sparse_walk.Walk.apply
-    report["walked"] = 0
+    report["walked"], report["on_device"] = 0, 0
+    for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
 
-    def counted(walk: sparse_walk.Walk) -> int:
-        report["walked"] += 1
-        return walks(walk)
+        def counted(walk: object, apply: Any = cls.apply) -> Any:
+            report["walked"] += 1
+            report["on_device"] += isinstance(walk, device_walk.DeviceWalk)
+            return apply(walk)
 
-    sparse_walk.Walk.apply = counted  # type: ignore[method-assign]
+        cls.apply = counted  # type: ignore[method-assign]
     for step in (1, 2, 3, 6, 7, 8):
         before = {k: v.clone() for k, v in engine.state().items()}
         try:
             if context == Context.EXPONENT:
                 prepared = follower.prepare(step)
                 follower.write(prepared)
+            elif apply == ApplyBackend.DEVICE and step == 3:
+                prepared = audited_update(follower, step, report)
             else:
                 prepared, _, _ = follower.update(step)
         except DeltaError as err:
@@ -98,6 +108,41 @@ def main() -> None:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
+
+
+def host_only(at: str) -> bool:
+    """Whether a read at `file:line` is in code that reads only host memory, by construction: the
+    gloo exchange (the follower hands it the CPU) and the fetch that unpacks what it received."""
+    file, line = at.rsplit(":", 1)
+    for code in (replica.exchange, replica.exchange_bytes, EngineFollower._fetch):
+        lines, first = inspect.getsourcelines(code)
+        if os.path.samefile(file, inspect.getsourcefile(code) or "") and first <= int(line) < first + len(lines):
+            return True
+    return False
+
+
+def audited_update(follower: EngineFollower, step: int, report: dict) -> EngineStep:
+    """`update` of a step in sync through the device walk, under test_kernels' sync audit: what
+    waited for the device before the decision, besides the host reads of the group's exchange
+    (`host_only`), and how many of those there were."""
+    from test_kernels import audited
+
+    settle = walkers.DeviceWalker.settle
+    with audited() as syncs:
+
+        def decision(self: walkers.DeviceWalker, payloads: Any, moved: Any) -> list[int]:
+            syncs.seen.append(("the decision", ""))
+            return settle(self, payloads, moved)
+
+        walkers.DeviceWalker.settle = decision  # type: ignore[method-assign]
+        try:
+            prepared, _, _ = follower.update(step)
+        finally:
+            walkers.DeviceWalker.settle = settle  # type: ignore[method-assign]
+    before = syncs.seen[: [what for what, _ in syncs.seen].index("the decision")]
+    report["waits_before_decision"] = [f"{what} {at}" for what, at in before if not host_only(at)]
+    report["host_exchange_reads"] = sum(host_only(at) for _, at in before)
+    return prepared
 
 
 if __name__ == "__main__":

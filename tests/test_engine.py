@@ -21,12 +21,14 @@ from lightning_delta import (
     Store,
     StoreError,
     codec,
+    device_walk,
     sparse_walk,
     whole_walk,
 )
 from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta import publisher as publisher_module
+from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import CodecOptions, Context, Mode
 from lightning_delta.engine import EngineFollower, PrefetchTimeoutError
 from lightning_delta.objects import FsspecObjects
@@ -57,7 +59,7 @@ def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, to
     return truth
 
 
-def follower(url: str, engine: Engine) -> EngineFollower:
+def follower(url: str, engine: Engine, apply: ApplyBackend | None = None) -> EngineFollower:
     store = Store(url)
     specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
@@ -67,19 +69,32 @@ def follower(url: str, engine: Engine) -> EngineFollower:
             engine.load_weights(name, tensor)
 
     device = engine.qkv.device
-    return EngineFollower(store, view_map, lambda: dict(engine.named_parameters()), reload, device=device)
+    params = lambda: dict(engine.named_parameters())  # noqa: E731
+    return EngineFollower(store, view_map, params, reload, device=device, apply=apply)
+
+
+BACKENDS = ["walk", "torch", "device"]
+"""How a step in sync is written: the CPU walk (numba), torch's decoder, or the device walk's
+Triton kernels (here under the interpreter, on CPU tensors)."""
+
+
+def backend(name: str, monkeypatch: pytest.MonkeyPatch) -> ApplyBackend | None:
+    """`follower`'s `apply` for a `BACKENDS` name (torch: as where numba is not installed)."""
+    monkeypatch.setattr(sparse_walk, "AVAILABLE", name != "torch")
+    return ApplyBackend.DEVICE if name == "device" else None
 
 
 @pytest.fixture
 def walks(monkeypatch) -> list[int]:
-    """Counts the payloads walked in place (`sparse_walk`), rather than decoded by torch."""
-    count, apply = [0], sparse_walk.Walk.apply
+    """Counts the payloads walked in place (`sparse_walk`, `device_walk`), rather than decoded by torch."""
+    count = [0]
+    for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
 
-    def counted(walk: sparse_walk.Walk) -> int:
-        count[0] += 1
-        return apply(walk)
+        def counted(walk: object, apply=cls.apply) -> object:
+            count[0] += 1
+            return apply(walk)
 
-    monkeypatch.setattr(sparse_walk.Walk, "apply", counted)
+        monkeypatch.setattr(cls, "apply", counted)
     return count
 
 
@@ -125,16 +140,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT], ids=lambda c: c.name)
 @pytest.mark.parametrize("chunk", [None, 8])
-@pytest.mark.parametrize("walk", [True, False], ids=["walk", "torch"])
+@pytest.mark.parametrize("walk", BACKENDS)
 def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
     store_url, context, device, chunk, walk, walks, wholes, monkeypatch
 ):
     if chunk is not None:  # a step in sync in many chunks of changes, each decoded, checked and written
         monkeypatch.setattr(engine_module, "_CHUNK", chunk)
-    monkeypatch.setattr(sparse_walk, "AVAILABLE", walk)  # without it, torch decodes on the CPU as on a GPU
+    apply = backend(walk, monkeypatch)
     truth = publish(store_url, context)
     engine = Engine().to(device)
-    live = follower(store_url, engine)
+    live = follower(store_url, engine, apply)
     assert live.paths()[1][0] == 1  # the rope, through the engine's reload
     storage = engine.qkv.data_ptr()
     for step in (1, 2, 3, 6, 7, 8):  # 4 and 5 on the way to 6: composed into one patch
@@ -151,24 +166,26 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
             assert [codec.parse(p, v.numel).mode for v, p in payloads] == [mode]
     assert engine.qkv.data_ptr() == storage  # in place
     live.verify()
-    # the SPARSE steps in sync (2, 3, 7, 8), walked where numba runs on the CPU
-    assert walks[0] == (4 if walk and device == "cpu" and context == Context.NONE else 0)
-    assert wholes[0] == (1 if walk and device == "cpu" else 0)  # the base at 1, decoded, written and checked at once
+    # the SPARSE steps in sync (2, 3, 7, 8), walked by a walker (on a GPU, the payload names the
+    # rope's kept copy, host memory: decoded by torch)
+    walked = walk != "torch" and device == "cpu"
+    assert walks[0] == (4 if walked and context == Context.NONE else 0)
+    assert wholes[0] == (1 if walked else 0)  # the base at 1, decoded, written and checked at once
 
 
 @pytest.mark.parametrize("call", ["prepare", "update"])
-@pytest.mark.parametrize("walk", [True, False], ids=["walk", "torch"])
+@pytest.mark.parametrize("walk", BACKENDS)
 def test_a_value_only_its_checksum_can_catch_writes_nothing_and_the_next_base_heals(
     store_url, walk, call, walks, monkeypatch, caplog
 ):
     """One value of step 3 changed under a re-signed marker (tests/forge.py): `prepare` checks it
-    before anything is written (walked on the CPU, or decoded by torch), `update` as it walks it in
-    (then again from the base at 1, through the same step 3): `ChecksumError` and nothing written."""
-    monkeypatch.setattr(sparse_walk, "AVAILABLE", walk)
+    before anything is written (walked, or decoded by torch), `update` as it walks it in (then
+    again from the base at 1, through the same step 3): `ChecksumError` and nothing written."""
+    apply = backend(walk, monkeypatch)
     truth = publish(store_url)
     forge_value(Store(store_url), 3)
     engine = Engine()
-    live = follower(store_url, engine)
+    live = follower(store_url, engine, apply)
     live.write(live.prepare(2))
     before, walked = {k: v.clone() for k, v in engine.state().items()}, walks[0]
     caplog.set_level("WARNING", logger="lightning_delta.engine")
@@ -179,15 +196,17 @@ def test_a_value_only_its_checksum_can_catch_writes_nothing_and_the_next_base_he
             live.update(3)
     assert all(torch.equal(before[k], v) for k, v in engine.state().items())
     if call == "update":  # the walk wrote the step, found it wrong and took it back; then from the base
-        assert walks[0] - walked == (1 if walk else 0)
-        assert any("nothing was written" in r.getMessage() for r in caplog.records) == walk
+        assert walks[0] - walked == (0 if walk == "torch" else 1)
+        assert any("nothing was written" in r.getMessage() for r in caplog.records) == (walk != "torch")
     live.write(live.prepare(5))  # from the base at 5
     assert exact(engine, truth[5])
 
 
-def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, walks, monkeypatch):
+@pytest.mark.parametrize("walk", ["walk", "device"])
+def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, walk, walks, monkeypatch):
     """`update` does not check a step in sync before it walks it into the engine: the walk checks
     each change as it writes it, and a failure on any payload takes every walk of the step back."""
+    apply = backend(walk, monkeypatch)
     monkeypatch.setattr(publisher_module, "_SMALL", 0)  # every tensor a payload of its own
     publish(store_url)
     store = Store(store_url)
@@ -196,7 +215,7 @@ def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, wal
     blob[len(blob) - part.entries[-1].length // 2] ^= 0x01  # the last payload, walked after the others
     replace_blob(store, 3, 0, 1, bytes(blob))
     engine = Engine()
-    live = follower(store_url, engine)
+    live = follower(store_url, engine, apply)
     live.update(2)
     before, walked = {k: v.clone() for k, v in engine.state().items()}, walks[0]
     with pytest.raises(DeltaError):
@@ -431,10 +450,12 @@ def test_the_view_map_finds_the_parameter_in_a_shared_storage_and_refuses_a_copy
     assert "past the ends of p" in view_map.refused["b"]
 
 
-def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, caplog):
+@pytest.mark.parametrize("walk", ["walk", "device"])
+def test_a_weight_changed_behind_the_followers_back_is_caught(store_url, walk, monkeypatch, caplog):
+    apply = backend(walk, monkeypatch)
     truth = publish(store_url)
     engine = Engine()
-    live = follower(store_url, engine)
+    live = follower(store_url, engine, apply)
     live.write(live.prepare(2))
     numel = sum(t.numel() for t in truth[2].values())
     q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
@@ -503,11 +524,16 @@ def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("context", [Context.EXPONENT, Context.NONE], ids=lambda c: c.name)
-def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context):
+@pytest.mark.parametrize(
+    ("context", "apply"),
+    [(Context.EXPONENT, None), (Context.NONE, None), (Context.NONE, ApplyBackend.DEVICE)],
+    ids=["EXPONENT", "NONE", "NONE-device"],
+)
+def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slices(tmp_path, context, apply):
     out = tmp_path / "out"
     out.mkdir()
-    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out), context.name)
+    backend = [apply.name] if apply is not None else []
+    torchrun(ROOT / "tests" / "engine_job.py", str(tmp_path / "store"), str(out), context.name, *backend)
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["exact"] == [True] * 4 and report["untouched"] == [True, True]
@@ -518,6 +544,9 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
         # and the damaged 7, whose walks were taken back ("untouched")
         assert report["warned"] == (context == Context.EXPONENT)
         assert report["walked"] == (0 if context == Context.EXPONENT else 6)
+        assert report["on_device"] == (6 if apply == ApplyBackend.DEVICE else 0)
+        if apply == ApplyBackend.DEVICE:  # step 3 under the sync audit: nothing waited before the decision
+            assert report["waits_before_decision"] == [] and report["host_exchange_reads"] > 0
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]

@@ -23,10 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_delta import DeltaPublisher, PublisherSettings, codec, sparse_walk
+from lightning_delta import DeltaPublisher, PublisherSettings, apply, codec, sparse_walk
+from lightning_delta.apply import ApplyBackend
 from lightning_delta.checksum import checksum_at
 from lightning_delta.codec import Mode
 from lightning_delta.errors import FormatError
+from test_engine import Engine, exact, follower, publish
 from test_sparse_walk import UNCOMPRESSED, bits, hostile, place, walks
 
 pytest.importorskip("triton")
@@ -370,3 +372,33 @@ def test_a_seeded_slice_of_the_kernels_fuzz_target_agrees_with_torch():
     counts = fuzz.fuzz_kernels(60, seed=1)
     assert not any(counts[f] for f in fuzz.FAILURES), counts
     assert counts["walked"] > 10 and counts["kernel refused"] > 3, counts
+
+
+def test_an_engine_update_on_the_device_path_waits_for_the_device_once_at_its_decision(store_url, monkeypatch):
+    """The engine follower's whole `update` of a SPARSE step in sync through the device walk
+    (fetch, parse, every payload's walk, the group's sums, the decision): nothing waits for the
+    device before the decision's one read; after it, only `wrote` (which kept copies changed)."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.DEVICE)
+    live.update(2)
+    audits: list[Syncs] = []
+    settle, wrote = apply.DeviceWalker.settle, device_walk.DeviceWalk.wrote
+
+    def decision(self: Any, payloads: Any, moved: Any) -> list[int]:
+        audits[0].seen.append(("the decision", ""))
+        return settle(self, payloads, moved)
+
+    def after(self: Any, param: int) -> bool:
+        audits[0].seen.append(("wrote", ""))
+        return wrote(self, param)
+
+    monkeypatch.setattr(apply.DeviceWalker, "settle", decision)
+    monkeypatch.setattr(device_walk.DeviceWalk, "wrote", after)
+    with audited() as syncs:
+        audits.append(syncs)
+        prepared, _, _ = live.update(3)
+    assert prepared.walked and exact(engine, truth[3])
+    assert [what for what, _ in syncs.seen[:2]] == ["the decision", "Tensor.tolist"], syncs.seen
+    assert "apply.py:" in syncs.seen[1][1], syncs.seen  # the decision's own read
+    assert {what for what, _ in syncs.seen[2:]} <= {"wrote", "Tensor.tolist"}, syncs.seen

@@ -85,7 +85,7 @@ class DeviceWalk:
         if packed.n != table.n:
             raise ValueError(f"the segment table is for payloads of {table.n} positions, not {packed.n}")
         n, m, k, low_bits, device = packed.n, packed.m, packed.k, packed.low_bits, table.device
-        self._sections = tuple(s.to(device) for s in packed.sections)
+        self._sections = _on_device(packed.sections, device)
         self._table = table
         high_bytes = len(self._sections[1])
         self._block = (
@@ -158,6 +158,17 @@ class DeviceWalk:
             BLOCK=self._block,
             WIDTH=_WIDTH,
         )
+
+
+def _on_device(sections: Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
+    """A payload's sections on `device`: on a GPU, staged in one pinned buffer and copied in one
+    transfer that does not wait for the device (a copy from pageable memory would)."""
+    if device.type == "cpu":
+        return tuple(sections)
+    sizes = [s.numel() for s in sections]
+    staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+    torch.cat([s.view(-1) for s in sections], out=staged)
+    return tuple(staged.to(device, non_blocking=True).split(sizes))
 
 
 def decide(result: Tensor) -> int:

@@ -8,10 +8,11 @@ exponents of a CLASSED payload, which the workers assemble with one all-reduce o
 element, after an exchange that carries any worker's failure, so that none waits in it alone),
 verified by the checksums' partial sums over the changes each worker owns, all-reduced over the
 group before anything is written, and then every worker writes `old + step` at the positions it
-holds.  On the CPU, a SPARSE payload one step from the state held is instead walked
-(`sparse_walk`): decoded, checked and written in one pass over the engine's memory, not two, its
-partial sums all-reduced once every payload is walked, and every walk taken back exactly (steps
-add mod 2**16) if any worker's check fails, so a failed step still leaves nothing written.  The
+holds.  A SPARSE payload one step from the state held is instead walked (`apply`: `sparse_walk` on
+the CPU, `device_walk`'s Triton kernels on a GPU): decoded, checked and written in one pass over the
+engine's memory, not two, its partial sums summed over the group once every payload is walked, and
+every walk taken back exactly (steps add mod 2**16) if any worker's check fails, so a failed step
+still leaves nothing written.  The
 workers share one download: each fetches the parts of a share of the trainer ranks, and sends the
 others the blobs, which every receiver checks against their markers.
 
@@ -22,7 +23,6 @@ reload and the group.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import os
@@ -38,8 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import codec, sparse_walk, whole_walk
+from . import apply as walks
+from . import codec, plan, sparse_walk, whole_walk
 from . import format as fmt
+from . import group as decisions
+from .apply import ApplyBackend
 from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChainError, ChecksumError, DeltaError, ModelMismatchError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
@@ -133,6 +136,8 @@ class EngineFollower:
             worker the elements it owns, summed over the group); `verify` does it on demand.
         stop_seconds: how long stopping the prefetcher waits for it (it may be fetching a step, or
             waiting in a collective for a worker that is gone) before `PrefetchTimeoutError`.
+        apply: what writes the SPARSE payloads of a step in sync (`apply.ApplyBackend`; None: the
+            CPU walk on the CPU, the device walk on a GPU, where they can run).
 
     Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
     reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
@@ -149,9 +154,11 @@ class EngineFollower:
         device: torch.device | None = None,
         full_check: FullCheck = FullCheck.BASE_STEPS,
         stop_seconds: float = 600.0,
+        apply: ApplyBackend | None = None,
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
+        self._walker = walks.walker(apply, self.device)  # the same settings on every worker: raises on all
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self._reader = ChainReader(store)
@@ -173,8 +180,10 @@ class EngineFollower:
         per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
         self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
-        self._segments = self._segment_tables()
-        if self._segments:
+        self._segments = plan.segment_tables(
+            self._views, self._names, self._shapes, view_map, self._owned, self.rank, self._walker, self.group
+        )
+        if self._segments and self.device.type == "cpu":
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
             whole_walk.compile()
         self._held: list[RankState] | None = None
@@ -267,7 +276,7 @@ class EngineFollower:
         expected: list[tuple[int, int, int, int]] = []
         outcome: Exception | None = None
         changed, params, local, walked, whole = 0, self._params(), False, set(), set()
-        arrays: dict[str | int, np.ndarray] = {}
+        checked: list[walks.Payload] = []  # the walked payloads to check, all at once
         try:
             for rank, parts in enumerate(chains):
                 first = parts[0].header if parts else None
@@ -287,9 +296,7 @@ class EngineFollower:
                         changed += entry.changed
                         if verify:
                             local = True
-                            partials.append(self._walk_of(rank, i, parts[0], params, arrays).check())
-                            moved = (entry.checksum - state.checksums[i]) & _MASK64
-                            expected.append((rank, i, parts[0].header.step, moved))
+                            checked.append(self._payload(rank, i, parts[0], state))
                         continue
                     if state is None and self._whole_walkable(rank, i, parts):
                         whole.add((rank, i))
@@ -303,6 +310,10 @@ class EngineFollower:
                     state = RankState(parts[-1].header, parts[-1].probe, tuple(e.checksum for e in parts[-1].entries))
                 assert state is not None  # no parts: the step is the one held
                 states.append(state)
+            if checked:
+                assert self._walker is not None
+                partials += walks.check(self._walker, checked, functools.partial(self._target, params))
+                expected += [(*p.key, step, p.moved) for p in checked]
         except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it
             outcome = err
         if outcome is not None and (self.group is None or not local):
@@ -694,56 +705,19 @@ class EngineFollower:
         return False
 
     def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
-        """Walk every walkable payload of a step in sync into the engine, checking each change's
-        value as it is written (partial sums over the owned changes, summed over the group), and
-        take every walk back if any payload fails on any worker: the step then leaves nothing
-        written.  Returns whether a kept copy changed."""
+        """Walk every walkable payload of a step in sync into the engine (`apply`): checked as they
+        are written, and every walk taken back if any payload fails on any worker, so that the step
+        leaves nothing written.  Returns whether a kept copy changed."""
         if not prepared.walked:
             return False
-        assert prepared.held is not None
-        walked: list[tuple[int, int, int]] = []  # (rank, payload, changes written): its walk is dropped
-        partials: list[int] = []
-        expected: list[tuple[int, int, int]] = []
-        arrays: dict[str | int, np.ndarray] = {}
-        kept = False
+        assert prepared.held is not None and self._walker is not None
+        held = prepared.held
+        payloads = [self._payload(r, i, prepared.chains[r][0], held[r]) for r, i in sorted(prepared.walked)]
         try:
-            outcome: Exception | None = None
-            try:
-                for rank, i in sorted(prepared.walked):
-                    part, held = prepared.chains[rank][0], prepared.held[rank]
-                    walk = self._walk_of(rank, i, part, params, arrays)
-                    try:
-                        partials.append(walk.apply())
-                    finally:
-                        walked.append((rank, i, walk.applied))
-                    table = self._segments_of(rank, i)
-                    assert table is not None
-                    kept |= any(walk.wrote(at) for at, name in enumerate(table[1]) if isinstance(name, int))
-                    expected.append((rank, i, (part.entries[i].checksum - held.checksums[i]) & _MASK64))
-            except Exception as err:
-                outcome = err
-            sums = partials
-            if self.group is not None:  # every worker walked the same bytes; a local failure still stops all
-                mine = outcome or np.array(partials, dtype=np.uint64).tobytes()  # the sums ride with the outcomes
-                every = np.stack(
-                    [np.frombuffer(b, dtype=np.uint64) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
-                )
-                sums = every.sum(axis=0, dtype=np.uint64).tolist()  # uint64 sums wrap: mod 2**64
-            elif outcome is not None:
-                raise outcome
-            for (rank, i, want), got in zip(expected, sums, strict=True):
-                if got != want:
-                    self._held = None  # the engine's weights, or the step, are not what they should be
-                    raise ChecksumError(
-                        f"{self.store.url} rank {rank} step {prepared.step}: payload {i} does not reproduce the "
-                        "trainer's checksum from the values the engine holds; nothing was written, and the next "
-                        "step is written whole"
-                    )
-        except BaseException:  # each payload walked again, backwards: its decoded sections were not kept
-            for rank, i, changes in reversed(walked):
-                self._walk_of(rank, i, prepared.chains[rank][0], params, arrays).undo(changes)
+            return bool(walks.apply(self._walker, payloads, functools.partial(self._target, params), self.group))
+        except ChecksumError:
+            self._held = None  # the engine's weights, or the step, are not what they should be
             raise
-        return kept
 
     def _write_whole(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
         """Walk every whole payload of a base step into the engine (`whole_walk`), each worker those
@@ -811,14 +785,15 @@ class EngineFollower:
         of a step loaded from its base, into tensors the map holds as runs or 2-D blocks."""
         return (
             len(parts) == 1
+            and self.device.type == "cpu"
             and codec.mode_of(parts[0].payloads[i]) == codec.Mode.RAW
             and self._segments_of(rank, i) is not None
         )
 
     def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
-        """Whether payload `i` of `rank` is walked in place (`sparse_walk`): on the CPU, one SPARSE
-        payload from the state held (the chain checks that it starts there), into tensors the map
-        holds as runs or 2-D blocks."""
+        """Whether payload `i` of `rank` is walked in place (`apply`): one SPARSE payload from the
+        state held (the chain checks that it starts there), into tensors the map holds as runs or
+        2-D blocks."""
         return (
             len(parts) == 1
             and parts[0].header.kind == fmt.Kind.DELTA
@@ -826,79 +801,36 @@ class EngineFollower:
             and self._segments_of(rank, i) is not None
         )
 
-    def _walk_of(
-        self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> sparse_walk.Walk:
-        """Payload `i` of `rank`'s walk; `arrays` keeps the arrays of the parameters and kept
-        copies named so far (a step's payloads name each many times)."""
+    def _payload(self, rank: int, i: int, part: fmt.Part, held: RankState) -> walks.Payload:
+        """Payload `i` of `rank`'s part one step from `held`, as a walk takes it."""
         view, table = self._views[rank][i], self._segments_of(rank, i)
         assert table is not None
-        packed = codec.parse(part.payloads[i], view.numel)
-        where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
-        if packed.dtype != view.dtype:
-            raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
-        if packed.m != part.entries[i].changed:
-            raise fmt.FormatError(f"{where} changes {packed.m} elements, its header says {part.entries[i].changed}")
-        for name in table[1]:  # a parameter, or the kept copy of a refused tensor
-            if name not in arrays:
-                if isinstance(name, int) and name not in self._kept:
-                    raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
-                arrays[name] = _host(params[name], name) if isinstance(name, str) else self._kept[name].numpy()
-        return sparse_walk.Walk(packed, table[0], [arrays[name] for name in table[1]])
+        entry = part.entries[i]
+        return walks.Payload(
+            key=(rank, i),
+            data=part.payloads[i],
+            numel=view.numel,
+            dtype=view.dtype,
+            changed=entry.changed,
+            segments=table[0],
+            names=tuple(table[1]),
+            moved=(entry.checksum - held.checksums[i]) & _MASK64,
+            where=f"{self.store.url} rank {rank} step {part.header.step}: payload {i}",
+        )
+
+    def _target(self, params: Mapping[str, Tensor], name: str | int) -> Tensor:
+        """What a walk writes: a parameter (by name) or the kept copy of a refused tensor (by
+        index), as flat int16."""
+        if isinstance(name, str):
+            return _held(params[name], name)
+        if name not in self._kept:
+            raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
+        return self._kept[name]
 
     def _segments_of(self, rank: int, i: int) -> tuple[sparse_walk.Segments, list[str | int]] | None:
         """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
         name, the kept copy of a refused tensor by its index), or None where it is not walked."""
         return self._segments.get((rank, i))
-
-    def _segment_tables(self) -> dict[tuple[int, int], tuple[sparse_walk.Segments, list[str | int]]]:
-        """The payloads every worker of the group can walk (on the CPU, with numba; into tensors
-        held as runs or 2-D blocks), with this worker's segment tables: the group walks the same
-        payloads, or its partial sums would not line up."""
-        tables = {}
-        mine: list[tuple[int, int]] | Exception
-        try:
-            if sparse_walk.AVAILABLE and self.device.type == "cpu":
-                for rank, payloads in enumerate(self._views):
-                    for i, view in enumerate(payloads):
-                        table = self._segment_table(view)
-                        if table is not None:
-                            tables[rank, i] = table
-            mine = sorted(tables)
-        except Exception as err:
-            mine = err
-        walkable = set(tables)
-        for theirs in self._gather_json(mine):
-            walkable &= {(rank, i) for rank, i in theirs}
-        return {key: tables[key] for key in sorted(walkable)}
-
-    def _segment_table(self, view: PayloadView) -> tuple[sparse_walk.Segments, list[str | int]] | None:
-        rows: list[list[int]] = []
-        names: dict[str | int, int] = {}
-        for s, offset in zip(view.slices, view.offsets, strict=False):
-            name, shape = self._names[s.tensor], self._shapes[s.tensor]
-            if name not in self.map.boxes:  # the kept copy: counted once, by group rank 0
-                kept = names.setdefault(s.tensor, len(names))
-                rows.append([offset, offset + s.numel, kept, s.start, 0, 0, 0, 0, 0, 0, 0, int(self.rank == 0)])
-                continue
-            for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
-                param, first = names.setdefault(box.param, len(names)), box.run_start(shape)
-                if first is not None:  # a run of the tensor
-                    lo, hi = max(first, s.start), min(first + box.numel, s.start + s.numel)
-                    geometry = [box.offset + lo - first, 0, 0, 0, 0, 0, 0, 0]
-                elif len(shape) == 2 and box.strides[1] == 1:  # a block of rows and columns
-                    columns, row = shape[1], box.start[0]
-                    lo, hi = max(row * columns, s.start), min((row + box.shape[0]) * columns, s.start + s.numel)
-                    geometry = [box.offset, lo, columns, row, box.shape[0], box.start[1], box.shape[1], box.strides[0]]
-                else:
-                    return None
-                if hi > lo:
-                    rows.append([offset + lo - s.start, offset + hi - s.start, param, *geometry, int(owned)])
-        rows.sort()
-        if any(a[1] > b[0] for a, b in itertools.pairwise(rows)):
-            return None  # several blocks of one tensor side by side: more than one segment a position
-        rows_array = np.array(rows, dtype=np.int64).reshape(-1, len(sparse_walk.SEGMENT_FIELDS))
-        return sparse_walk.Segments(rows_array, view.numel), list(names)
 
     def _kept_tensors(self) -> dict[str, Tensor]:
         specs = self.run.manifest.tensors
@@ -994,8 +926,8 @@ class EngineFollower:
                 result.append(err)
 
         def on_device() -> None:  # a new thread's current CUDA device is 0, whatever the engine's
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):
+            if self.device.type == "cuda":  # on a side stream: its waits are not for the engine's work
+                with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
                     run()
             else:
                 run()
@@ -1046,34 +978,17 @@ class EngineFollower:
     # ------------------------------------------------------------------ group
 
     def _decide(self, value: int | Exception) -> list[int]:
-        if self.group is None:
-            if isinstance(value, BaseException):
-                raise value
-            return [value]
-        mine = value if isinstance(value, BaseException) else str(value).encode()
-        return [int(v) for v in exchange_bytes(mine, self.group, torch.device("cpu"))]
+        return decisions.decide(self.group, value)
 
     def _sum(self, partials: list[int], failure: Exception | None = None) -> list[int]:
         """The group's sums of each partial checksum, mod 2**64; or, on every worker, the error
         `failure` of any worker that could not compute its partials."""
         if isinstance(failure, _Agreed):  # the group decided in a decode's exchange: no other exchange
             raise failure.error
-        if self.group is None:
-            if failure is not None:
-                raise failure
-            return [p & _MASK64 for p in partials]
-        mine = failure or np.array(partials, dtype=np.uint64).tobytes()
-        every = [np.frombuffer(b, dtype=np.uint64) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
-        return np.stack(every).sum(axis=0, dtype=np.uint64).tolist() if partials else []  # uint64 sums wrap
+        return decisions.sum_partials(self.group, partials, failure)
 
     def _gather_json(self, value: object) -> list[Any]:
-        """Every worker's `value`, or on every worker the error one met (`value` an exception)."""
-        if self.group is None:
-            if isinstance(value, BaseException):
-                raise value
-            return [value]
-        mine = value if isinstance(value, BaseException) else json.dumps(value).encode()
-        return [json.loads(b) for b in exchange_bytes(mine, self.group, torch.device("cpu"))]
+        return decisions.gather_json(self.group, value)
 
 
 def _threads() -> int:
@@ -1131,13 +1046,18 @@ def _flat(tensor: Tensor) -> Tensor:
 
 
 def _host(tensor: Tensor, name: str) -> np.ndarray:
-    """A CPU parameter's elements as int16 numpy (its own memory, for a walk); one left on the meta
-    device (an engine reload that did not finish) holds nothing to write into."""
+    """A CPU parameter's elements as int16 numpy (its own memory, for a walk)."""
+    return _held(tensor, name).numpy()
+
+
+def _held(tensor: Tensor, name: str) -> Tensor:
+    """A parameter's elements as flat int16; one left on the meta device (an engine reload that
+    did not finish) holds nothing to write into."""
     if tensor.is_meta:
         raise ModelMismatchError(
             f"{name} is on the meta device (the engine's reload did not finish): restart the engine"
         )
-    return _flat(tensor).numpy()
+    return _flat(tensor)
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:

@@ -1,0 +1,262 @@
+"""How an engine follower writes a step's SPARSE payloads that are one step from the state held:
+the apply backends, behind one small protocol.
+
+- `ApplyBackend.CPU_WALK` (`sparse_walk`, numba): each payload decoded, checked and written in one
+  pass over CPU parameters; a malformed payload stops its walk where it is found.
+- `ApplyBackend.DEVICE` (`device_walk`, Triton): each payload in a fixed number of launches on the
+  engine's device, the results left there; the step waits for the device once, at its decision
+  (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).
+- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time (the
+  reference, and the path of CLASSED payloads and of chains longer than one step).
+
+Whatever the backend, a step is written before it is checked and taken back if any worker's check
+fails (steps add mod 2**16, so `undo` restores every bit): `apply` walks every payload, settles
+the results on the host (the one wait), sums the workers' partial checksums in one exchange
+(`group.sum_partials`, which carries any worker's error to all), and decides.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import codec, device_walk, sparse_walk
+from . import format as fmt
+from .errors import ChecksumError, FormatError
+from .group import sum_partials
+from .sparse_walk import MESSAGES, Segments, Status
+
+__all__ = ["ApplyBackend", "Payload", "Walker", "apply", "check", "walker"]
+
+_MASK64 = (1 << 64) - 1
+
+Name = str | int
+"""What a segment table's parameter is: an engine parameter by name, or the follower's kept copy
+of a refused tensor by its index."""
+Moved = int | Tensor
+"""A walk's partial result: the checksum move itself (CPU), or a device tensor of `device_walk.RESULT_FIELDS`."""
+
+
+class ApplyBackend(Enum):
+    """Which code writes the SPARSE payloads of a step in sync (`EngineFollower(apply=...)`)."""
+
+    CPU_WALK = "cpu_walk"
+    DEVICE = "device"
+    TORCH = "torch"
+
+    @staticmethod
+    def default(device: torch.device) -> ApplyBackend:
+        """The CPU walk on the CPU and the device walk on a GPU, where they can run; else torch."""
+        if device.type == "cpu":
+            return ApplyBackend.CPU_WALK if sparse_walk.AVAILABLE else ApplyBackend.TORCH
+        return ApplyBackend.DEVICE if device.type == "cuda" and device_walk.AVAILABLE else ApplyBackend.TORCH
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One SPARSE payload of a step in sync, as a walk takes it: its bytes, its worker's segment
+    table and the arrays the table names, and the checksum move the group's partials must reach."""
+
+    key: tuple[int, int]  # (trainer rank, payload)
+    data: bytes | memoryview
+    numel: int
+    dtype: torch.dtype
+    changed: int  # from the part's header
+    segments: Segments
+    names: tuple[Name, ...]
+    moved: int
+    where: str  # "<store> rank R step S: payload I", for messages
+
+    def parse(self) -> codec.Packed:
+        packed = codec.parse(self.data, self.numel)
+        if packed.dtype != self.dtype:
+            raise fmt.FormatError(f"{self.where} is {packed.dtype}, expected {self.dtype}")
+        if packed.m != self.changed:
+            raise fmt.FormatError(f"{self.where} changes {packed.m} elements, its header says {self.changed}")
+        return packed
+
+
+class PayloadWalk(Protocol):
+    """One payload's walk: `check` writes nothing, `apply` writes, `undo` takes back what `apply`
+    wrote (all of it, or what it wrote before it raised)."""
+
+    def check(self) -> Moved: ...
+
+    def apply(self) -> Moved: ...
+
+    def undo(self) -> None: ...
+
+    def wrote(self, at: int, /) -> bool:
+        """Whether the last `apply` wrote into the table's `at`-th array (after the decision)."""
+        ...
+
+
+class Walker(Protocol):
+    """An apply backend: its walks, and how their results reach the host."""
+
+    def takes(self, names: Sequence[Name]) -> bool:
+        """Whether it walks a table naming these arrays (planned once, agreed by the group)."""
+        ...
+
+    def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
+        """`payload`'s walk into `targets` (flat int16 tensors, one per name)."""
+        ...
+
+    def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
+        """The walks' checksum moves on the host (the step's one wait for the device); a payload
+        its walk refused raises `FormatError`."""
+        ...
+
+
+def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
+    """The walker of `backend` (None: `ApplyBackend.default`) on `device`; None for torch.
+    Raises `ValueError` where the backend cannot run."""
+    backend = backend or ApplyBackend.default(device)
+    if backend == ApplyBackend.TORCH:
+        return None
+    if backend == ApplyBackend.CPU_WALK:
+        if device.type != "cpu" or not sparse_walk.AVAILABLE:
+            raise ValueError(f"the CPU walk writes CPU parameters with numba, not parameters on {device}")
+        return CpuWalker()
+    if not device_walk.AVAILABLE:
+        raise ValueError("the device walk needs triton (pip install triton; it ships with CUDA builds of torch)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the device walk runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)")
+    if device.type == "cuda" and device.index is None:  # a table's parameters are on one device, by index
+        device = torch.device("cuda", torch.cuda.current_device())
+    return DeviceWalker(device)
+
+
+def check(walker: Walker, payloads: Sequence[Payload], targets: Callable[[Name], Tensor]) -> list[int]:
+    """Each payload's partial checksum move over the changes this worker owns, writing nothing
+    (a step verified before it is written)."""
+    walks = [walker.walk(p, [targets(n) for n in p.names]) for p in payloads]
+    return walker.settle(payloads, [w.check() for w in walks])
+
+
+def apply(
+    walker: Walker, payloads: Sequence[Payload], targets: Callable[[Name], Tensor], group: dist.ProcessGroup | None
+) -> set[int]:
+    """Walk every payload in, then check the group's sums: if any payload fails on any worker,
+    every walk is taken back on every worker and the step leaves nothing written (`ChecksumError`,
+    or the failing worker's error).  Returns the kept copies written."""
+    walks: list[PayloadWalk] = []
+    try:
+        outcome: Exception | None = None
+        partials: list[int] = []
+        try:
+            moved = []
+            for payload in payloads:
+                walks.append(walker.walk(payload, [targets(n) for n in payload.names]))
+                moved.append(walks[-1].apply())
+            partials = walker.settle(payloads, moved)
+        except Exception as err:  # whatever it is, the group hears of it with the partial sums
+            outcome = err
+        for payload, got in zip(payloads, sum_partials(group, partials, outcome), strict=True):
+            if got != payload.moved:
+                raise ChecksumError(
+                    f"{payload.where} does not reproduce the trainer's checksum from the values the engine holds; "
+                    "nothing was written, and the next step is written whole"
+                )
+    except BaseException:
+        for walk in reversed(walks):
+            walk.undo()
+        raise
+    return {
+        name
+        for walk, payload in zip(walks, payloads, strict=True)
+        for at, name in enumerate(payload.names)
+        if isinstance(name, int) and walk.wrote(at)
+    }
+
+
+# ---------------------------------------------------------------------------------- the CPU walk
+
+
+class CpuWalker:
+    """`ApplyBackend.CPU_WALK`: a payload's walk raises where it is malformed, its result is the
+    move itself."""
+
+    def takes(self, names: Sequence[Name]) -> bool:
+        return True
+
+    def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
+        return _CpuWalk(payload, [t.numpy() for t in targets])
+
+    def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
+        return [int(m) for m in moved]
+
+
+class _CpuWalk:
+    """A `sparse_walk.Walk` that keeps no decoded sections between `apply` and `undo` (a step's
+    would be the size of the step): `undo` parses the payload again."""
+
+    def __init__(self, payload: Payload, arrays: list[np.ndarray]) -> None:
+        self._payload, self._arrays = payload, arrays
+        self._applied, self._wrote = 0, set[int]()
+
+    def _walk(self) -> sparse_walk.Walk:
+        return sparse_walk.Walk(self._payload.parse(), self._payload.segments, self._arrays)
+
+    def check(self) -> int:
+        return self._walk().check()
+
+    def apply(self) -> int:
+        walk = self._walk()
+        try:
+            return walk.apply()
+        finally:
+            self._applied = walk.applied
+            self._wrote = {at for at in range(len(self._arrays)) if walk.wrote(at)}
+
+    def undo(self) -> None:
+        if self._applied:
+            self._walk().undo(self._applied)
+            self._applied = 0
+
+    def wrote(self, at: int) -> bool:
+        return at in self._wrote
+
+
+# ---------------------------------------------------------------------------------- the device walk
+
+
+class DeviceWalker:
+    """`ApplyBackend.DEVICE`: a payload's walk leaves its status and partial sums on the device;
+    `settle` reads every walk's at once.  Each payload's segment table is copied to the device
+    once, and again only when the engine re-registers a parameter it names (a table holds
+    their addresses)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tables: dict[tuple[int, int], tuple[tuple[int, ...], device_walk.DeviceTable]] = {}
+
+    def takes(self, names: Sequence[Name]) -> bool:
+        # a refused tensor's kept copy is host memory: on a GPU its payload is decoded by torch
+        return self.device.type == "cpu" or all(isinstance(n, str) for n in names)
+
+    def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
+        addresses = tuple(t.data_ptr() for t in targets)
+        cached = self._tables.get(payload.key)
+        if cached is None or cached[0] != addresses:
+            cached = addresses, device_walk.DeviceTable(payload.segments, targets, self.device)
+            self._tables[payload.key] = cached
+        return device_walk.DeviceWalk(payload.parse(), cached[1])
+
+    def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
+        if not moved:
+            return []
+        rows = torch.stack([m for m in moved if isinstance(m, Tensor)]).tolist()  # the step's one wait
+        for payload, (status, _, _) in zip(payloads, rows, strict=True):
+            if status != Status.OK:
+                message = MESSAGES[Status(status)] if status in set(Status) else "tensor payload refused"
+                raise FormatError(f"{payload.where}: {message}")
+        return [(new - old) & _MASK64 for _, old, new in rows]

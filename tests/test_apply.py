@@ -1,0 +1,135 @@
+"""The apply backends (`apply`): which one a follower takes where, and a step of several payloads
+through the CPU walk and the device walk (Triton's interpreter, on CPU tensors): the same writes,
+or, where the step's check fails, every walk taken back to the last bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fused import Engine
+from lightning_delta import ChecksumError, FormatError, apply, codec, device_walk, group, sparse_walk
+from lightning_delta.apply import ApplyBackend, Payload
+from lightning_delta.codec import Mode
+from test_engine import exact, follower, publish
+from test_sparse_walk import UNCOMPRESSED, walks
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+MASK64 = (1 << 64) - 1
+
+
+def test_each_device_takes_the_walk_that_runs_there_by_default(monkeypatch):
+    assert ApplyBackend.default(CPU) == ApplyBackend.CPU_WALK
+    assert ApplyBackend.default(CUDA) == ApplyBackend.DEVICE
+    monkeypatch.setattr(sparse_walk, "AVAILABLE", False)
+    monkeypatch.setattr(device_walk, "AVAILABLE", False)
+    assert ApplyBackend.default(CPU) == ApplyBackend.TORCH == ApplyBackend.default(CUDA)
+    assert apply.walker(None, CPU) is None
+
+
+def test_a_backend_that_cannot_run_where_it_is_asked_to_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="CPU parameters"):
+        apply.walker(ApplyBackend.CPU_WALK, CUDA)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        apply.walker(ApplyBackend.DEVICE, CPU)
+    monkeypatch.setattr(device_walk, "AVAILABLE", False)
+    with pytest.raises(ValueError, match="triton"):
+        apply.walker(ApplyBackend.DEVICE, CUDA)
+
+
+def test_on_a_gpu_the_device_walk_leaves_a_payload_naming_a_kept_copy_to_torch():
+    """A refused tensor's kept copy is host memory, which a kernel on the GPU cannot write."""
+    assert apply.DeviceWalker(CUDA).takes(["qkv", "o"]) and not apply.DeviceWalker(CUDA).takes(["qkv", 0])
+    assert apply.DeviceWalker(CPU).takes(["qkv", 0])
+
+
+def test_a_follower_told_to_use_torch_walks_nothing(store_url, monkeypatch):
+    counted = []
+    for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
+        monkeypatch.setattr(cls, "apply", lambda walk: counted.append(walk))
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.TORCH)
+    for step in (1, 2, 3):
+        live.update(step)
+        assert exact(engine, truth[step])
+    assert counted == []
+
+
+@st.composite
+def steps(draw):
+    """Payloads of one step, each with its table over parameters of its own, the payload whose
+    expected checksum move is off by one (a value only its checksum catches; -1: none), a seed."""
+    cases = draw(st.lists(walks(), min_size=1, max_size=2))
+    return cases, draw(st.integers(-1, len(cases) - 1)), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(steps())
+def test_a_step_is_written_by_either_walk_alike_or_taken_back_by_both_to_the_last_bit(case):
+    cases, forged, seed = case
+    g = torch.Generator().manual_seed(seed)
+    before, payloads = {}, []
+    for key, (old, new, table, sizes) in enumerate(cases):
+        data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+        packed = codec.parse(data, old.numel())
+        if packed.mode != Mode.SPARSE:
+            continue
+        names = tuple(f"{key}.{j}" for j in range(len(sizes)))
+        for name, size in zip(names, sizes, strict=True):
+            before[name] = torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16)
+        segments = sparse_walk.Segments(np.asarray(table, dtype=np.int64), old.numel())
+        payloads.append(Payload((0, key), data, old.numel(), torch.bfloat16, packed.m, segments, names, 0, f"p {key}"))
+    if not payloads:
+        return
+    # what each payload moves the owned checksum by, from the CPU walk on a copy
+    held = {name: t.clone() for name, t in before.items()}
+    moved = apply.check(apply.CpuWalker(), payloads, held.__getitem__)
+    assert apply.check(apply.DeviceWalker(CPU), payloads, held.__getitem__) == moved
+    assert all(torch.equal(held[name], t) for name, t in before.items())  # a check writes nothing
+    payloads = [
+        dataclasses.replace(p, moved=(m + (1 if i == forged else 0)) & MASK64)
+        for i, (p, m) in enumerate(zip(payloads, moved, strict=True))
+    ]
+    written = []
+    for walker in (apply.CpuWalker(), apply.DeviceWalker(CPU)):
+        held = {name: t.clone() for name, t in before.items()}
+        if 0 <= forged < len(payloads):
+            with pytest.raises(ChecksumError, match=f"{payloads[forged].where} does not reproduce"):
+                apply.apply(walker, payloads, held.__getitem__, None)
+            assert all(torch.equal(held[name], t) for name, t in before.items())  # every walk taken back
+        else:
+            assert apply.apply(walker, payloads, held.__getitem__, None) == set()  # no kept copies named
+        written.append(held)
+    assert all(torch.equal(written[0][name], written[1][name]) for name in before)
+
+
+def test_a_payload_the_device_walk_refuses_names_itself_and_nothing_is_written():
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    packed = codec.parse(data, 64)
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    good = Payload((0, 0), data, 64, torch.bfloat16, packed.m, table, ("w",), 0, "rank 0 payload 0")
+    sections = list(packed.sections)
+    sections[1] = torch.zeros_like(sections[1])  # no high bit set: fewer changes than the header says
+    hostile = codec.serialize(dataclasses.replace(packed, sections=tuple(sections)), UNCOMPRESSED)
+    bad = dataclasses.replace(good, key=(0, 1), data=hostile, names=("v",), where="rank 0 payload 1")
+    held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    with pytest.raises(FormatError, match=r"rank 0 payload 1: .*fewer changes"):
+        apply.apply(apply.DeviceWalker(CPU), [good, bad], held.__getitem__, None)
+    assert not held["w"].any() and not held["v"].any()
+
+
+def test_without_a_group_a_worker_decides_alone():
+    assert group.sum_partials(None, [1, MASK64 + 2]) == [1, 1]
+    assert group.decide(None, 7) == [7]
+    with pytest.raises(KeyError):
+        group.sum_partials(None, [1], KeyError("the failure"))
