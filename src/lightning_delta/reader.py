@@ -118,12 +118,12 @@ class ChainReader:
         marker (unless `checked`: the worker that fetched it did, and the group heard of a failure)
         and parsed by `format.parse_part`, and together a chain, oldest first, whose links follow
         the markers."""
-        if not checked:
-            self.check(refs, blobs, rank)
         run = self.store.run()
         parts = []
         for ref, blob in zip(refs, blobs, strict=True):
             with self._located(ref, rank):
+                if not checked:
+                    fmt.verify_blob(blob, ref.marker)
                 parts.append(fmt.parse_part(blob, ref, rank, run))
         for older, newer in itertools.pairwise(parts):
             if newer.header.prev_step != older.header.step:
