@@ -3,6 +3,7 @@ dense reload of the same weights, in one run (the vLLM venv scripts/setup.sh mak
 
     .venv-vllm/bin/python scripts/bench_vllm.py                 # a ~100M-parameter bf16 Llama
     .venv-vllm/bin/python scripts/bench_vllm.py --layers 1 --vocab 4096 --hidden 256   # a quick check
+    .venv-vllm/bin/python scripts/bench_vllm.py --keep runs/bench-vllm   # the chain built once, then reused
 
 Two trainer ranks publish a chain: a base at step 1, then steps 2-11 changing 2% and 0.5% of the
 elements in turn (by one ULP, small weights more often than large ones, as under Adam), once coded
@@ -27,6 +28,7 @@ engine's weights are checked against the trainer's checksums after the chain and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -265,6 +267,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--only", nargs="*", choices=sorted(ENGINES), default=list(ENGINES))
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="build the model and chains in DIR if it holds none, and reuse them (before/after runs on one chain)",
+    )
     parser.add_argument("--engine", choices=sorted(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -273,8 +280,11 @@ def main() -> None:
         with open(os.path.join(args.work, f"{args.engine}.json"), "w") as f:
             json.dump(result, f)
         return
-    with tempfile.TemporaryDirectory() as work:
-        build(work, args)
+    with contextlib.ExitStack() as stack:
+        work = args.keep or stack.enter_context(tempfile.TemporaryDirectory())
+        if not os.path.exists(f"{work}/last/model.safetensors"):  # the build's last output
+            os.makedirs(work, exist_ok=True)
+            build(work, args)
         model_bytes = os.path.getsize(f"{work}/model/model.safetensors")
         print(
             f"model: {model_bytes / 1e6:.0f} MB of bf16; torch {torch.__version__}, {torch.get_num_threads()} threads"

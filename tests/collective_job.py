@@ -13,12 +13,14 @@ collective of the library:
 * keyerror: rank 1's engine no longer registers a parameter the walk writes;
 * oom_write: rank 1 runs out of memory writing a step from its base, after the walk (as it walks
   the base's payloads whole, where it loads from a base part alone);
+* damaged: rank 1 reads a base part with a byte flipped, which only it fetches;
 * prefetch: rank 1's prefetcher fails to list the chain, while rank 0's finds a step; then the
   full check while the prefetchers poll the group.
 
 Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and the seconds it took;
 and whether `exchange` hands every rank what each sent, for items that fit in the first broadcast's
-head, that just fit, that just do not, and more items than the head holds sizes for ("many").
+head, that just fit, that just do not, more items than the head holds sizes for, and items large
+enough to travel alone ("many").
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from lightning_delta import (
     StoreError,
     sparse_walk,
 )
+from lightning_delta import format as fmt
 from lightning_delta.engine import EngineFollower
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.replica import exchange
@@ -70,12 +73,13 @@ class Failing(FsspecObjects):
 
 
 class Flaky(FsspecObjects):
-    """A store whose next `lists` listings fail as an unreachable endpoint does, and whose reads raise
-    an error the library does not classify (a bug, an unknown client error) while `raw` is set."""
+    """A store whose next `lists` listings fail as an unreachable endpoint does, whose reads raise
+    an error the library does not classify (a bug, an unknown client error) while `raw` is set, and
+    whose reads of the object `damaged` names come back with their last byte flipped."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self.lists, self.raw = 0, False
+        self.lists, self.raw, self.damaged = 0, False, ""
 
     def list(self, key: str) -> list[str]:
         if self.lists > 0:
@@ -86,7 +90,10 @@ class Flaky(FsspecObjects):
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         if self.raw:
             raise RuntimeError(f"an unclassified failure reading {key}")
-        return super().get(key, start, end)
+        data = super().get(key, start, end)
+        if key == self.damaged and data:
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        return data
 
 
 def outcome(call: Callable[[], object]) -> list:
@@ -227,6 +234,17 @@ def main() -> None:
     report["oom_held"] = mixed.held_step
     report["oom_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]
 
+    # a base step whose rank-1 part worker 1 alone reads damaged (a byte of a value, which the walk
+    # would write before its checksum could refuse it): the SHA-256 of the worker that read it
+    # refuses it on both, before anything is written; worker 0 never hashes that part
+    flaky.damaged = fmt.blob_path(5, 1, 2) if rank == 1 else ""
+    mixed._held = None
+    before = {name: t.clone() for name, t in engine.state().items()}
+    report["damaged"] = outcome(lambda: mixed.update(5))
+    report["damaged_untouched"] = all(torch.equal(before[k], t) for k, t in engine.state().items())
+    flaky.damaged = ""
+    report["damaged_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]
+
     if rank == 1:  # its prefetcher's first listing fails, while worker 0's finds step 8
         flaky.lists = 1
     mixed.prefetch(0.01)
@@ -237,8 +255,10 @@ def main() -> None:
     mixed.close()
 
     # `exchange` at the edges of its head (128 int64 slots: status, count, sizes, then the items
-    # where they fit): every pair of these item sizes, one rank sending each
+    # where they fit) and of the items that travel alone (1 MiB and more), with and without small
+    # ones: every pair of these item sizes, one rank sending each
     shapes = [[], [3] * 3, [1000], [8 * 125], [8 * 125 + 1], [1] * 40, [1] * 126, [0] * 127, [5] * 200]
+    shapes += [[1 << 20], [7, (1 << 20) + 3, 1 << 20, 9]]
 
     def items(shape: list[int], of: int) -> list[torch.Tensor]:
         return [(torch.arange(n) * (of + 3) + i).to(torch.uint8) for i, n in enumerate(shape)]

@@ -204,15 +204,16 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     and follow, and an engine's prepare, where one rank's store fails; an engine's in-place walk,
     where one worker's walk fails halfway (both then hold the step they held), and where the workers
     hold different steps (both load the next from its base); errors that are not `DeltaError`s in a
-    prepare, a walk, a write and at init, and a store error in one worker's prefetcher.  Every rank
-    raises the failing rank's `DeltaError` type (the timeout of `torchrun` is what a hang would hit)."""
+    prepare, a walk, a write and at init, a base part one worker reads damaged, and a store error in
+    one worker's prefetcher.  Every rank raises the failing rank's `DeltaError` type (the timeout of
+    `torchrun` is what a hang would hit)."""
     torchrun(ROOT / "tests" / "collective_job.py", str(tmp_path), timeout=240)
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         for case in ("claim", "load", "follow", "engine"):
             assert report[case][0] == "StoreError", (case, report[case])
         assert "Not a directory (a part of the path is a regular file)" in report["claim"][2]
-        assert report["many"] == [True] * 81
+        assert report["many"] == [True] * 121
     assert "worker 1 of the group" in reports[0]["load"][2]  # rank 0 says whose error it raises
     for report in reports:  # rank 1 failed in its second walk, rank 0 walked them all: both took them back
         assert report["walk"][0] == "FormatError" and report["walk_untouched"], report["walk"]
@@ -234,6 +235,10 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
             and "worker 1 of the group: OutOfMemoryError" in report["oom_write"][2]
         )
         assert report["oom_held"] is None and report["oom_then"] == ["ok", 6, "ok"]
+        # a base part damaged in worker 1's read alone: refused by the hash of the worker that read it,
+        # on both, before anything is written; then both load the next step
+        assert report["damaged"][0] == "ChecksumError" and "SHA-256" in report["damaged"][2], report["damaged"]
+        assert report["damaged_untouched"] and report["damaged_then"] == ["ok", 6, "ok"]
         # rank 1's prefetcher met a store error: both prefetchers stop on it, and the update fetches again
         assert report["prefetch"][0] == "ok" and report["prefetch_then"] == [8, "ok", 0], report["prefetch"]
         assert report["verify_prefetching"] == ["ok"] * 20  # the check stops the prefetcher first

@@ -13,8 +13,9 @@ the CPU, `device_walk`'s Triton kernels on a GPU): decoded, checked and written 
 engine's memory, not two, its partial sums summed over the group once every payload is walked, and
 every walk taken back exactly (steps add mod 2**16) if any worker's check fails, so a failed step
 still leaves nothing written.  The
-workers share one download: each fetches the parts of a share of the trainer ranks, and sends the
-others the blobs, which every receiver checks against their markers.
+workers share one download: each fetches the parts of a share of the trainer ranks, checks them
+against their markers, and sends the others the blobs, or the error it met, which every worker
+then raises: each blob is hashed once in the group, by the worker that read it.
 
 Framework-free: an engine adapter (`vllm_backend`) gives the loader call, the parameters, the
 reload and the group.
@@ -342,6 +343,7 @@ class EngineFollower:
                 raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
             for rank in ours:
                 fetched[rank] = self._reader.fetch_blobs(step, rank, held[rank].header.step if held else None)
+                self._reader.check(*fetched[rank], rank)  # here only: a failure reaches the others in the exchange
             mine = []
             if self.group is not None:  # what the others need: the steps held here, and the blobs
                 mine.append(codec.byte_view(json.dumps([s.header.step for s in held] if held else None).encode()))
@@ -363,7 +365,7 @@ class EngineFollower:
                     fetched[rank] = (refs, [next(rest).numpy().data for _ in refs])  # not copied
         elif isinstance(mine, BaseException):
             raise mine
-        chains = [self._reader.parse(*fetched[rank], rank) for rank in range(world)]
+        chains = [self._reader.parse(*fetched[rank], rank, checked=True) for rank in range(world)]
         base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
         return chains, sum(len(fetched[r][0]) for r in ours), base_step
 

@@ -11,8 +11,9 @@ which a follower retries rather than counts as damage.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +81,8 @@ class ChainReader:
     def fetch_blobs(
         self, step: int, rank: int, held: int | None, bar: Any = None
     ) -> tuple[list[fmt.PartRef], list[bytes]]:
-        """The refs and bytes of the parts on the cheapest path, oldest first, unchecked (`parse`
-        checks them, whichever worker of a group fetched them)."""
+        """The refs and bytes of the parts on the cheapest path, oldest first, unchecked (`check`
+        or `parse` checks them)."""
         world = self.store.run().world_size
         holes: list[int] = []
 
@@ -104,22 +105,36 @@ class ChainReader:
             bar.update(1)
         return path, blobs
 
+    def check(self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes | memoryview], rank: int) -> None:
+        """Each blob against its marker (size and SHA-256), before anything of it is parsed."""
+        for ref, blob in zip(refs, blobs, strict=True):
+            with self._located(ref, rank):
+                fmt.verify_blob(blob, ref.marker)
+
     def parse(
-        self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes | memoryview], rank: int
+        self, refs: Sequence[fmt.PartRef], blobs: Sequence[bytes | memoryview], rank: int, *, checked: bool = False
     ) -> tuple[fmt.Part, ...]:
         """Parts from blobs (fetched here or by another worker of a group): each checked against its
-        marker and parsed by `format.parse_part`, and together a chain, oldest first, whose links
-        follow the markers."""
+        marker (unless `checked`: the worker that fetched it did, and the group heard of a failure)
+        and parsed by `format.parse_part`, and together a chain, oldest first, whose links follow
+        the markers."""
         run = self.store.run()
         parts = []
         for ref, blob in zip(refs, blobs, strict=True):
-            where = f"{self.store.url}/{fmt.blob_path(ref.step, rank, run.world_size, bridge=ref.bridge)}"
-            try:
-                fmt.verify_blob(blob, ref.marker)
+            with self._located(ref, rank):
+                if not checked:
+                    fmt.verify_blob(blob, ref.marker)
                 parts.append(fmt.parse_part(blob, ref, rank, run))
-            except (FormatError, ChecksumError, ChainError) as err:
-                raise type(err)(f"{where}: {err}") from None
         for older, newer in itertools.pairwise(parts):
             if newer.header.prev_step != older.header.step:
                 raise ChainError(f"rank {rank}: step {newer.header.step} does not follow step {older.header.step}")
         return tuple(parts)
+
+    @contextlib.contextmanager
+    def _located(self, ref: fmt.PartRef, rank: int) -> Iterator[None]:
+        """A part's errors, prefixed with the object they are about."""
+        try:
+            yield
+        except (FormatError, ChecksumError, ChainError) as err:
+            where = f"{self.store.url}/{fmt.blob_path(ref.step, rank, self.store.run().world_size, bridge=ref.bridge)}"
+            raise type(err)(f"{where}: {err}") from None

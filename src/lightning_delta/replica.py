@@ -32,6 +32,9 @@ _HEAD = 128
 they fit after those, the items themselves.  Each broadcast is a round trip (about 0.1 ms under gloo
 on an idle host, 0.7 ms on a busy one), so a small exchange (a decision, partial checksums) is one
 broadcast a rank; a larger one two; one of more than 126 items three."""
+_ALONE = 1 << 20
+"""Items of at least this many bytes (a part's blob) each travel in a broadcast of their own, not
+copied into the buffer the smaller ones share: a round trip more, a copy of the item less."""
 
 
 def group_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
@@ -81,16 +84,11 @@ def exchange(
         status, sizes = values[0], values[2 : 2 + values[1]]
         if _inline(sizes):
             data = head.view(torch.uint8)[8 * (2 + len(sizes)) :]
+            pieces = [data[start : start + n] for start, n in zip(_aligned(sizes), sizes, strict=False)]
         else:
-            data = torch.empty(_aligned(sizes)[-1], dtype=torch.uint8, device=device)
-            if src == me:
-                _place(items, data)
-            if data.numel():
-                dist.broadcast(data, src=root, group=group)
+            pieces = _broadcast(items if src == me else None, sizes, root, group, device)
         if src == me:  # its own, as sent: the buffer goes now, not with the exchange's result
             pieces = items
-        else:
-            pieces = [data[start : start + n] for start, n in zip(_aligned(sizes), sizes, strict=False)]
         if status != _OK and failure is None:
             kind, _, message = bytes(pieces[0].cpu().numpy()).decode(errors="replace").partition("\n")
             failure = (src, kind, message)
@@ -117,6 +115,29 @@ def agree(value: int | BaseException, group: dist.ProcessGroup, device: torch.de
     mine = value if isinstance(value, BaseException) else [torch.tensor([value]).view(torch.uint8)]
     first = exchange(mine, group, device)[0]
     return int(first[0].cpu().view(torch.int64)[0])
+
+
+def _broadcast(
+    items: list[Tensor] | None, sizes: list[int], root: int, group: dist.ProcessGroup, device: torch.device
+) -> list[Tensor]:
+    """Items of these sizes from `root` (which passes them; the others None): the small ones in one
+    buffer, each large one in a broadcast of its own, from the sender's tensor as it is (a part's
+    blob is not copied into a buffer first, nor out of one at the receiver)."""
+    small = [i for i, n in enumerate(sizes) if n < _ALONE]
+    starts = _aligned([sizes[i] for i in small])
+    data = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+    if items is not None:
+        _place([items[i] for i in small], data)
+    if data.numel():
+        dist.broadcast(data, src=root, group=group)
+    pieces = [data[0:0]] * len(sizes)
+    for i, start in zip(small, starts, strict=False):
+        pieces[i] = data[start : start + sizes[i]]
+    for i, n in enumerate(sizes):
+        if n >= _ALONE:
+            pieces[i] = items[i].to(device) if items is not None else torch.empty(n, dtype=torch.uint8, device=device)
+            dist.broadcast(pieces[i], src=root, group=group)
+    return pieces
 
 
 def _aligned(sizes: list[int]) -> list[int]:
