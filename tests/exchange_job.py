@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc-per-node=3` by tests/test_replica.py: `exchange` where two of three
-ranks fail with different errors.  Each failing rank raises its own error; the rank that did not
-fail raises the first failing rank's (by group rank), whatever order the errors would arrive in.
+ranks fail with different errors.  The first failing rank (by group rank) raises its own error,
+every other rank that one, the later failing rank included, whatever order the errors arrive in.
 
 Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and its message.
 """
@@ -32,9 +32,9 @@ def main() -> None:
     rank = dist.get_rank()
     fine = [torch.arange(5, dtype=torch.uint8)]
     report = {
-        # ranks 1 and 2 fail; rank 0 raises rank 1's error, not the last one it received
+        # ranks 1 and 2 fail; ranks 0 and 2 raise rank 1's error, not the last one received or their own
         "first": outcome([fine, StoreError("the endpoint is unreachable"), FormatError("part is truncated")][rank]),
-        # ranks 0 and 2 fail: rank 1 raises rank 0's
+        # ranks 0 and 2 fail: ranks 1 and 2 raise rank 0's
         "zero": outcome([FormatError("part is truncated"), fine, StoreError("the endpoint is unreachable")][rank]),
         "then": outcome(fine),  # no rank is left behind: the next exchange meets every rank
     }

@@ -53,11 +53,12 @@ def exchange(
     """Every rank's uint8 tensors, by group rank (this rank's as it sent them); `mine` is this
     rank's, or the error it met.
 
-    If any rank failed, every rank raises once all broadcasts are done: the failing rank its own
-    error, the others the first failing rank's, as the same `DeltaError` subclass.  An error that
-    is not a `DeltaError` (an out-of-memory, a bug) is a `DeltaError` on every rank, the failing
-    one included (raised from the original), so that a caller's `except DeltaError` is taken on
-    all of them or none.
+    If any rank failed, every rank raises once all broadcasts are done: the first failing rank its
+    own error, every other rank (one that failed later included, raised from its own) that one, as
+    the same `DeltaError` subclass, so that every rank takes the same branch after it (retry from a
+    base, or give up).  An error that is not a `DeltaError` (an out-of-memory, a bug) is a
+    `DeltaError` on every rank, the failing one included (raised from the original), so that a
+    caller's `except DeltaError` is taken on all of them or none.
     """
     me, size = dist.get_rank(group), dist.get_world_size(group)
     received: list[list[Tensor]] = []
@@ -94,12 +95,16 @@ def exchange(
             failure = (src, kind, message)
         received.append(pieces)
     if failure is not None:
-        if isinstance(mine, DeltaError) or (isinstance(mine, BaseException) and not isinstance(mine, Exception)):
-            raise mine
-        if isinstance(mine, BaseException):  # as the others raise it: one decision, one type
-            raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
         src, kind, message = failure
-        raise errors.by_name(kind)(f"worker {src} of the group: {message}")
+        if isinstance(mine, BaseException) and not isinstance(mine, Exception):
+            raise mine
+        if src == me and isinstance(mine, DeltaError):
+            raise mine
+        if src == me:  # as the others raise it: one decision, one type
+            raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
+        # a later failing rank too raises the first one's: every rank takes the same branch after
+        cause = mine if isinstance(mine, BaseException) else None
+        raise errors.by_name(kind)(f"worker {src} of the group: {message}") from cause
     return received
 
 
