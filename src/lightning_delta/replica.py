@@ -96,12 +96,11 @@ def exchange(
         received.append(pieces)
     if failure is not None:
         src, kind, message = failure
-        if isinstance(mine, BaseException) and not isinstance(mine, Exception):
-            raise mine
-        if src == me and isinstance(mine, DeltaError):
-            raise mine
-        if src == me:  # as the others raise it: one decision, one type
-            raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
+        if isinstance(mine, BaseException):
+            if not isinstance(mine, Exception) or (src == me and isinstance(mine, DeltaError)):
+                raise mine
+            if src == me:  # as the others raise it: one decision, one type
+                raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
         # a later failing rank too raises the first one's: every rank takes the same branch after
         cause = mine if isinstance(mine, BaseException) else None
         raise errors.by_name(kind)(f"worker {src} of the group: {message}") from cause
