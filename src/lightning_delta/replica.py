@@ -24,7 +24,7 @@ from . import errors
 from .codec import byte_view
 from .errors import DeltaError
 
-__all__ = ["agree", "exchange", "exchange_bytes", "group_device"]
+__all__ = ["exchange", "exchange_bytes", "group_device"]
 
 _OK, _FAILED = 0, 1
 _HEAD = 128
@@ -111,14 +111,6 @@ def exchange_bytes(mine: bytes | BaseException, group: dist.ProcessGroup, device
     """`exchange` of one byte string per rank."""
     payload = mine if isinstance(mine, BaseException) else [byte_view(mine)]
     return [bytes(pieces[0].cpu().numpy()) for pieces in exchange(payload, group, device)]
-
-
-def agree(value: int | BaseException, group: dist.ProcessGroup, device: torch.device) -> int:
-    """Group rank 0's `value`, on every rank (so that all of them take the same decision), or the
-    error any rank met instead of a value."""
-    mine = value if isinstance(value, BaseException) else [torch.tensor([value]).view(torch.uint8)]
-    first = exchange(mine, group, device)[0]
-    return int(first[0].cpu().view(torch.int64)[0])
 
 
 def _broadcast(
