@@ -11,11 +11,12 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_fleet import MODES, REGIONS, DelayProxy, TokenBucket
+from bench_fleet import MODES, REGIONS, DelayProxy, TokenBucket, digest, model_for
 
 FIGURES = (
     "cross_region_bytes_per_step",
@@ -52,6 +53,30 @@ def test_the_link_proxy_relays_every_byte_both_ways_and_counts_them():
         server.close()
     assert got_request == [b"hello"] and received == payload
     assert proxy.counts[port] == len(payload) + 5
+
+
+def test_a_module_replica_holds_each_tensor_of_a_sequence_under_its_name():
+    """TinyLM's names or a Hugging Face Llama's (the sequence vLLM replicas load): the replica's
+    module has a parameter of each tensor's name, shape and dtype, and nothing else."""
+    g = torch.Generator().manual_seed(0)
+    truth = {
+        name: torch.randn(shape, generator=g).to(torch.bfloat16)
+        for name, shape in {
+            "model.embed_tokens.weight": (8, 4),
+            "model.layers.0.self_attn.q_proj.weight": (4, 4),
+            "model.layers.0.input_layernorm.weight": (4,),
+            "model.layers.1.mlp.up_proj.weight": (6, 4),
+            "lm_head.weight": (8, 4),
+            "logit_scale": (3,),
+        }.items()
+    }
+    module = model_for(truth)
+    assert {k: (v.shape, v.dtype) for k, v in module.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in truth.items()
+    }
+    assert digest(module.state_dict()) != digest(truth)  # zeros until a step is applied
+    module.load_state_dict(truth)
+    assert digest(module.state_dict()) == digest(truth)
 
 
 @pytest.mark.slow
