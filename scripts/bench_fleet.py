@@ -621,7 +621,7 @@ class VllmReplica:
     def init_backend(self) -> None:
         """Start the backend once the chain's manifest is there (the trainer publishes step 1 after
         every region is ready)."""
-        from lightning_delta import DeltaError, Store
+        from lightning_delta import DeltaError, DeltaLoader
 
         if self.cfg["mode"] == "delta_mirror":
             source, opts = self.cfg["mirror_dir"], {}
@@ -629,11 +629,10 @@ class VllmReplica:
             source, opts = f"s3://{self.cfg['bucket']}/run", self.options
         t0 = time.time()
         while not self.stopped():
-            try:
-                Store(source, opts).run()
-                break
-            except DeltaError:
-                time.sleep(self.cfg["poll"])
+            with suppress(DeltaError):
+                if DeltaLoader(source, storage_options=opts).steps():
+                    break
+            time.sleep(self.cfg["poll"])
         info = {"url": source, "storage_options": opts, "prefetch": True, "poll_seconds": self.cfg["poll"]}
         self.llm.init_weight_transfer_engine({"init_info": info})
         self.timeline.add("waiting", t0, time.time())
@@ -816,7 +815,7 @@ def run_phase(
                 publish(step)
                 if i == len(steps) // 2:
                     (work / "join").touch()
-        wait_for(lambda: acked(steps[-1]), 300, "every replica at the last step")
+        wait_for(lambda: acked(steps[-1]), 900 if args.vllm_region else 300, "every replica at the last step")
         end = time.time()
         if mode != "full_sync":
             wait_for(lambda: any((work / "acks").glob(f"*-join.{steps[-1]}")), 120, "the joiner at the last step")
@@ -1166,6 +1165,8 @@ def main() -> None:
     server.start()
     host, port = server.get_host_and_port()
     kernel = os.geteuid() == 0 and not args.no_kernel
+    raw = args.png.with_suffix(".raw.json")  # each finished phase's events, kept as it finishes (--render)
+    raw.parent.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the links are deleted
     phases: list[Phase] = []
     try:
@@ -1185,11 +1186,13 @@ def main() -> None:
                     t = time.time()
                     phases.append(run_phase(mode, k, files, digests, f"http://{host}:{port}", link_list, args))
                     print(f"  {mode} K={k}: {time.time() - t:.0f} s", flush=True)
+                    raw.write_text(
+                        json.dumps(
+                            {"mbit": args.mbit, "replicas": args.replicas, "phases": [asdict(ph) for ph in phases]}
+                        )
+                    )
     finally:
         server.stop()
-    raw = args.png.with_suffix(".raw.json")
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    raw.write_text(json.dumps({"mbit": args.mbit, "replicas": args.replicas, "phases": [asdict(ph) for ph in phases]}))
     report(phases, args)
 
 
