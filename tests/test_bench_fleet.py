@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_fleet import MODES, REGIONS, DelayProxy, TokenBucket, digest, model_for
+from bench_fleet import MODES, REGIONS, DelayProxy, Timeline, TokenBucket, digest, model_for
 
 FIGURES = (
     "cross_region_bytes_per_step",
@@ -77,6 +77,27 @@ def test_a_module_replica_holds_each_tensor_of_a_sequence_under_its_name():
     assert digest(module.state_dict()) != digest(truth)  # zeros until a step is applied
     module.load_state_dict(truth)
     assert digest(module.state_dict()) == digest(truth)
+
+
+def test_a_replicas_waits_merge_while_another_replica_of_its_region_records_between_them():
+    """The region's replicas share one list of intervals: a replica waiting for minutes (engines
+    starting elsewhere) is one interval, not one per poll."""
+    events: list[dict] = []
+    lock = threading.Lock()
+    a, b = Timeline("a", events, lock), Timeline("b", events, lock)
+    for i in range(100):
+        a.add("waiting", i, i + 1)
+        b.add("waiting", i, i + 1)
+    a.add("generating", 100, 101, step=1)
+    a.add("waiting", 101, 102)
+    a.add("waiting", 102, 103)
+    got = [(e["replica"], e["kind"], e["t0"], e["t1"]) for e in events]
+    assert got == [
+        ("a", "waiting", 0, 100),
+        ("b", "waiting", 0, 100),
+        ("a", "generating", 100, 101),
+        ("a", "waiting", 101, 103),
+    ]
 
 
 @pytest.mark.slow
