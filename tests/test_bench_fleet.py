@@ -11,11 +11,12 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_fleet import MODES, REGIONS, DelayProxy, TokenBucket
+from bench_fleet import MODES, REGIONS, DelayProxy, Timeline, TokenBucket, digest, model_for
 
 FIGURES = (
     "cross_region_bytes_per_step",
@@ -52,6 +53,51 @@ def test_the_link_proxy_relays_every_byte_both_ways_and_counts_them():
         server.close()
     assert got_request == [b"hello"] and received == payload
     assert proxy.counts[port] == len(payload) + 5
+
+
+def test_a_module_replica_holds_each_tensor_of_a_sequence_under_its_name():
+    """TinyLM's names or a Hugging Face Llama's (the sequence vLLM replicas load): the replica's
+    module has a parameter of each tensor's name, shape and dtype, and nothing else."""
+    g = torch.Generator().manual_seed(0)
+    truth = {
+        name: torch.randn(shape, generator=g).to(torch.bfloat16)
+        for name, shape in {
+            "model.embed_tokens.weight": (8, 4),
+            "model.layers.0.self_attn.q_proj.weight": (4, 4),
+            "model.layers.0.input_layernorm.weight": (4,),
+            "model.layers.1.mlp.up_proj.weight": (6, 4),
+            "lm_head.weight": (8, 4),
+            "logit_scale": (3,),
+        }.items()
+    }
+    module = model_for(truth)
+    assert {k: (v.shape, v.dtype) for k, v in module.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in truth.items()
+    }
+    assert digest(module.state_dict()) != digest(truth)  # zeros until a step is applied
+    module.load_state_dict(truth)
+    assert digest(module.state_dict()) == digest(truth)
+
+
+def test_a_replicas_waits_merge_while_another_replica_of_its_region_records_between_them():
+    """The region's replicas share one list of intervals: a replica waiting for minutes (engines
+    starting elsewhere) is one interval, not one per poll."""
+    events: list[dict] = []
+    lock = threading.Lock()
+    a, b = Timeline("a", events, lock), Timeline("b", events, lock)
+    for i in range(100):
+        a.add("waiting", i, i + 1)
+        b.add("waiting", i, i + 1)
+    a.add("generating", 100, 101, step=1)
+    a.add("waiting", 101, 102)
+    a.add("waiting", 102, 103)
+    got = [(e["replica"], e["kind"], e["t0"], e["t1"]) for e in events]
+    assert got == [
+        ("a", "waiting", 0, 100),
+        ("b", "waiting", 0, 100),
+        ("a", "generating", 100, 101),
+        ("a", "waiting", 101, 103),
+    ]
 
 
 @pytest.mark.slow
