@@ -21,7 +21,7 @@ __all__ = ["Cadence"]
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 3) -> None:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
 
     def arrived(self, at: float) -> None:
