@@ -4,9 +4,9 @@ Every poll of a remote store is a request, and a request's headers cost about as
 object (about 1.4 KB on S3 with SigV4).  A trainer commits at a steady rhythm, so a poller that
 slept until shortly before the next step is due, and polled every `poll` from there, finds each
 step about as soon as one polling all the time, with a few requests a step instead of one every
-`poll`.  The schedule is taken from the shortest recent gap, so a step that comes early is found
-at most one poll late the first time, and a backlog found at once (gaps of zero) turns it off until
-the rhythm is steady again.
+`poll`.  The schedule is taken from the shortest recent gap, so only a step that comes sooner
+than any recent one is found late (by as much as it came sooner), and a backlog found at once
+(gaps of zero) turns the schedule off until the rhythm is steady again.
 """
 
 from __future__ import annotations
