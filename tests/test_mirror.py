@@ -29,6 +29,8 @@ from lightning_delta import (
     Store,
 )
 from lightning_delta import format as fmt
+from lightning_delta import mirror as mirror_module
+from lightning_delta.cadence import Cadence
 from lightning_delta.cli import main
 from lightning_delta.reader import ChainReader
 from tinylm import TinyLM
@@ -44,6 +46,11 @@ class Recording(DictObjects):
         self.events: list[tuple[str, str]] = []
         self.reads: Counter[str] = Counter()
         self.hidden: set[str] = set()  # objects not there yet, as in a bucket that fills out of order
+        self.lists = 0
+
+    def list(self, key: str) -> list[str]:
+        self.lists += 1
+        return super().list(key)
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         data = None if key in self.hidden else super().get(key, start, end)
@@ -153,8 +160,60 @@ def test_each_source_object_is_read_once_across_passes():
             assert mirror.sync().mirror_step == (step if step < 5 or step >= 7 else 4)
             mirror.sync()
         assert_loads(mirror.destination, truth, list(range(1, 10)))
-    assert set(watched.reads) == set(shared.objects) and set(watched.reads.values()) == {1}
+    read = +watched.reads  # objects read (a GET of a step not there yet reads nothing)
+    assert set(read) == set(shared.objects) and set(read.values()) == {1}
     assert mirror.metrics.bytes_read == sum(len(v) for v in shared.objects.values())
+
+
+def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only_when_one_is_overdue(monkeypatch):
+    shared = DictObjects()
+    watched = Recording("dict://home", shared.objects)  # the mirror's view of the source
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth: dict = {}
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=1000)) as publisher,
+        Mirror(Store(watched), Store(DictObjects()), MirrorSettings(list_seconds=1000)) as mirror,
+    ):
+
+        def publish(step: int) -> None:
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+            publisher.flush()
+
+        publish(3)
+        publish(6)
+        assert mirror.sync().mirror_step == 6 and mirror.metrics.listings == 1  # learns the stride, 3
+        listed = watched.lists
+        for step in (9, 12, 15, 18):  # each found by its names: no listing
+            clock[0] += 1.0
+            assert mirror.sync().mirror_step == step - 3
+            publish(step)
+            assert mirror.sync().mirror_step == step
+        assert watched.lists == listed and mirror.metrics.listings == 1
+        publish(40)  # not the 21 it expects
+        clock[0] += 1.0
+        assert mirror.sync().mirror_step == 18 and mirror.metrics.listings == 1  # not overdue yet
+        clock[0] += 2.0  # twice the usual gap since step 18: a listing finds it
+        metrics = mirror.sync()
+        assert metrics.mirror_step == 40 and metrics.listings == 2 and metrics.steps_behind == 0
+    assert_loads(mirror.destination, truth, [3, 6, 9, 12, 15, 18, 40])
+
+
+def test_a_cadence_waits_until_the_next_step_is_due_and_polls_once_steps_come_early_or_at_once():
+    cadence = Cadence(keep=2)
+    assert cadence.wait(0.0, 0.1) == 0.1 and not cadence.overdue(0.0)  # no rhythm yet: every poll
+    for t in (0.0, 2.0, 4.0):
+        cadence.arrived(t)
+    assert cadence.wait(4.0, 0.1) == pytest.approx(1.9)  # due at 6.0, less one poll
+    assert cadence.wait(5.95, 0.1) == 0.1
+    assert not cadence.overdue(7.9) and cadence.overdue(8.1)
+    cadence.arrived(4.5)  # an early step: the shortest gap rules
+    assert cadence.wait(4.5, 0.1) == pytest.approx(0.4)
+    cadence.arrived(4.5)  # a backlog found at once: every poll again
+    assert cadence.wait(4.5, 0.1) == 0.1
 
 
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():

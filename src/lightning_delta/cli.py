@@ -259,7 +259,13 @@ def _mirror(args: argparse.Namespace) -> int:
     from .mirror import Mirror, MirrorSettings
     from .signing import Trust
 
-    settings = MirrorSettings(keep_bases=args.keep_bases, threads=args.threads, poll_seconds=args.poll_seconds)
+    settings = MirrorSettings(
+        keep_bases=args.keep_bases,
+        threads=args.threads,
+        poll_seconds=args.poll_seconds,
+        list_seconds=args.list_seconds,
+        paced=not args.unpaced,
+    )
     options = {"source_options": args.storage_options, "destination_options": args.dst_storage_options}
     with Mirror(args.store, args.destination, settings, **options, trust=Trust.of(args.trust)) as mirror:
         if not args.follow:
@@ -377,6 +383,12 @@ def parser() -> argparse.ArgumentParser:
     )
     mirror.add_argument("--threads", type=int, default=8, help="objects copied at once")
     mirror.add_argument("--poll-seconds", type=float, default=1.0, help="seconds between passes with --follow")
+    mirror.add_argument(
+        "--list-seconds", type=float, default=30.0, help="seconds between listings of the source with --follow"
+    )
+    mirror.add_argument(
+        "--unpaced", action="store_true", help="poll every --poll-seconds, not only once the next step is due"
+    )
     keys = sub.add_parser("keygen", help="write a new Ed25519 signing key: PATH (private, 0600) and PATH.pub")
     keys.add_argument("path", help="where the private key goes (it must not exist)")
     keys.add_argument("--json", action="store_true", help="machine-readable output")

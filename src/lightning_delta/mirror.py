@@ -5,7 +5,17 @@ many replicas read it.  A pass copies the run-level objects first (the manifest)
 step the source holds and the mirror does not, step after step: every part's blob, checked against
 its commit marker's SHA-256 before it is written, then the markers (a base's bridges before the
 parts).  So a step is complete at the mirror only once every object of it is there and every
-step before it was copied: each step listed at the mirror loads.  Objects are created exclusively
+step before it was copied: each step listed at the mirror loads.
+
+Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
+GETs the markers of the step it expects next (the newest mirrored plus the chain's stride, every
+rank at once), and once they are all there, the blobs they name, at once, then the step after
+that.  A step not there yet costs one small request per rank (a 404), where a listing pass costs
+three or more round trips one after another and grows with the chain.  The source is listed at
+the first pass, every `list_seconds`, when the next step is overdue (it may have another number),
+after a base (the source's retention deletes then), and while the mirror is stopped at damage.
+Following, it sleeps until shortly before the next step is due (`cadence`), so a fine
+`poll_seconds` finds steps sooner without a request every `poll_seconds` between them.  Objects are created exclusively
 and only missing ones are written, so a mirror killed at any moment resumes where it stopped; an
 object already at the mirror must be identical.  Each source object is read once (a damaged one
 again until it heals).  A damaged source object is never copied: the mirror stops at its step,
@@ -29,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from . import format as fmt
+from .cadence import Cadence
 from .errors import ChecksumError, ConflictError, FormatError, SignatureError
 from .retention import cutoff, delete_steps
 from .signing import Trust
@@ -54,7 +65,13 @@ class MirrorSettings:
     threads: int = 8
     """Objects copied at once (blobs and markers of several steps; markers still land in order)."""
     poll_seconds: float = 1.0
-    """Seconds between passes while following."""
+    """Seconds between passes while following (while a step is due; see `paced`)."""
+    list_seconds: float = 30.0
+    """Seconds between listings of the source while the next step is found by its name (a listing
+    notices steps at numbers not guessed, and deletions by the source's retention)."""
+    paced: bool = True
+    """Following, sleep until shortly before the next step is due (the chain's recent rhythm)
+    instead of polling every `poll_seconds` in between: a few requests a step, not one a poll."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -63,6 +80,8 @@ class MirrorSettings:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
+        if self.list_seconds <= 0:
+            raise ValueError(f"list_seconds must be > 0, got {self.list_seconds}")
 
 
 @dataclass
@@ -84,6 +103,8 @@ class MirrorMetrics:
     bytes_read: int = 0
     """Bytes read from the source since this mirror started."""
     steps_deleted: int = 0
+    listings: int = 0
+    """Passes that listed the source (the others found steps by their names)."""
     stopped_at: str | None = None
     """The source object the mirror waits at: damaged, or not there yet (a replicated source)."""
 
@@ -171,6 +192,11 @@ class Mirror:
         self._said: set[str] = set()  # objects already warned about
         self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
+        self._known: set[int] = set()  # steps complete at the source, as last seen
+        self._stopped: _Stop | None = None  # why the last pass stopped, if it did
+        self._listed_at: float | None = None  # when the source was last listed (None: list next)
+        self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
+        self._cadence = Cadence()
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -192,18 +218,83 @@ class Mirror:
     # ------------------------------------------------------------------ passes
 
     def follow(self, stop: threading.Event | None = None) -> Iterator[MirrorMetrics]:
-        """Mirror until `stop` is set: a pass, its metrics, a pause of `poll_seconds`, again."""
+        """Mirror until `stop` is set: a pass, its metrics, a pause of `poll_seconds` (longer while
+        the next step is not yet due, if `paced`), again."""
         stop = stop or threading.Event()
         while not stop.is_set():
             yield self.sync()
-            stop.wait(self.settings.poll_seconds)
+            poll = self.settings.poll_seconds
+            stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
 
     def sync(self) -> MirrorMetrics:
-        """One pass: copy what the source holds and the mirror does not, then apply retention."""
+        """One pass: copy what the source holds and the mirror does not, then apply retention
+        (by listing the source, or by the names of the steps expected next; module docstring)."""
         world = self._claim()
-        if world is None:
-            with self._lock:
-                return replace(self.metrics)
+        if world is not None:
+            now = time.monotonic()
+            if self._listing_due(now):
+                self._list(world, now)
+            else:
+                self._probe(world)
+        with self._lock:
+            return replace(self.metrics)
+
+    def _listing_due(self, now: float) -> bool:
+        if self._listed_at is None or not self._done or (self._stopped is not None and self._stopped.damaged):
+            return True  # the first pass, a mirror that holds nothing yet (which step is first?), damage
+        if now - self._listed_at >= self.settings.list_seconds:
+            return True
+        usual = self._cadence.usual_gap()  # an overdue step is looked for once a usual gap at most
+        return self._cadence.overdue(now) and (usual is None or now - self._listed_at >= usual)
+
+    def _probe(self, world: int) -> None:
+        """A pass by names: the step expected next, and the ones after it while they are there."""
+        mirrored_base = copied = False
+        stopped = None
+        while stopped is None:
+            step = max(self._done, default=-self._stride) + self._stride
+            parts = self._parts_named(step, world)
+            if parts is None:  # not committed yet (or damaged: the overdue listing will say)
+                break
+            self._known.add(step)
+            self._seen.setdefault(step, time.monotonic())
+            stopped, base = self._copy([step], {step: parts}, {step}, world)
+            mirrored_base, copied = mirrored_base or base, copied or step in self._done
+            if step not in self._done:
+                break
+        if copied:
+            self._cadence.arrived(time.monotonic())
+        if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
+            self._list(world, time.monotonic())  # a base: a listing finds what it deleted
+            return
+        if mirrored_base:
+            self._retain(None, mirrored_base)
+        if copied:
+            self._relay_heartbeat()
+        self._stopped = stopped
+        self._update(stopped)
+
+    def _parts_named(self, step: int, world: int) -> list[_Part] | None:
+        """`step`'s parts at the source, found by their names: every rank's marker (read at once,
+        and kept), and beside a base its bridge if there is one; None until every rank committed."""
+        parts = [_Part(step, rank, world, False) for rank in range(world)]
+        markers = list(self._pool.map(self._source_marker, parts))
+        if any(m is None for m in markers):
+            return None
+        bridges = [
+            _Part(step, p.rank, world, True)
+            for p, m in zip(parts, markers, strict=True)
+            if m and m.kind == fmt.Kind.BASE
+        ]
+        found = list(self._pool.map(self._source_marker, bridges))  # written before the base's marker
+        return parts + [b for b, m in zip(bridges, found, strict=True) if m is not None]
+
+    def _list(self, world: int, now: float) -> None:
+        """A pass by listing the source: every step it holds that the mirror does not."""
+        self._listed_at = now
+        with self._lock:
+            self.metrics.listings += 1
+        before = max(self._done, default=None)
         listed = self.source.published_steps()
         floor = max(self._skip_below, self._floor or 0)
         names = {s: self._source_parts(s, world) for s in listed if s not in self._done and s >= floor}
@@ -218,9 +309,14 @@ class Mirror:
         stopped, mirrored_base = self._copy(pending, names, complete, world)
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
-        self._update(listed, complete, stopped)
-        with self._lock:
-            return replace(self.metrics)
+        newest = sorted(complete | (self._done & set(listed)))
+        if len(newest) >= 2:
+            self._stride = newest[-1] - newest[-2]
+        if max(self._done, default=None) != before:
+            self._cadence.arrived(time.monotonic())
+        self._known = set(newest)
+        self._stopped = stopped
+        self._update(stopped)
 
     def _claim(self) -> int | None:
         """Copy the run-level objects; the run's world size, or None while the source has no run.
@@ -474,9 +570,10 @@ class Mirror:
 
     # ------------------------------------------------------------------ retention and metrics
 
-    def _retain(self, listed: list[int], mirrored_base: bool) -> None:
-        """Delete what the source deleted, or keep the mirror's own `keep_bases`; in retention's
-        order, and never past the mirror's newest complete base (its readers' way in)."""
+    def _retain(self, listed: list[int] | None, mirrored_base: bool) -> None:
+        """Delete what the source deleted (`listed`: the steps it holds; None: not listed this
+        pass), or keep the mirror's own `keep_bases`; in retention's order, and never past the
+        mirror's newest complete base (its readers' way in)."""
         keep = self.settings.keep_bases
         held = self.destination.published_steps()
         if keep is not None:
@@ -492,12 +589,12 @@ class Mirror:
         with self._lock:
             self.metrics.steps_deleted += len(doomed)
 
-    def _update(self, listed: list[int], complete: set[int], stopped: _Stop | None) -> None:
-        source = max((s for s in complete | (self._done & set(listed))), default=None)
+    def _update(self, stopped: _Stop | None) -> None:
+        source = max(self._known, default=None)
         mirrored = max(self._done, default=None)
-        behind = [s for s in complete if mirrored is None or s > mirrored]
+        behind = [s for s in self._known if mirrored is None or s > mirrored]
         now = time.monotonic()
-        self._seen = {s: t for s, t in self._seen.items() if s in complete and s not in self._done}
+        self._seen = {s: t for s, t in self._seen.items() if s in self._known and s not in self._done}
         with self._lock:
             self.metrics.source_step = source
             self.metrics.mirror_step = mirrored
