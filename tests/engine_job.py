@@ -78,8 +78,9 @@ def main() -> None:
             return apply(walk)
 
         cls.apply = counted  # type: ignore[method-assign]
+    report["walked_by_step"] = {}
     for step in (1, 2, 3, 6, 7, 8):
-        before = {k: v.clone() for k, v in engine.state().items()}
+        before, walked = {k: v.clone() for k, v in engine.state().items()}, report["walked"]
         try:
             if context == Context.EXPONENT:
                 prepared = follower.prepare(step)
@@ -89,9 +90,11 @@ def main() -> None:
             else:
                 prepared, _, _ = follower.update(step)
         except DeltaError as err:
+            report["walked_by_step"][step] = report["walked"] - walked
             report["errors"].append([step, type(err).__name__])
             report["untouched"].append(all(torch.equal(before[k], v) for k, v in engine.state().items()))
             continue
+        report["walked_by_step"][step] = report["walked"] - walked
         expected = engine.expected(truth[step])
         state = engine.state()
         report["exact"].append(

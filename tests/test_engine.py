@@ -166,10 +166,11 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
             assert [codec.parse(p, v.numel).mode for v, p in payloads] == [mode]
     assert engine.qkv.data_ptr() == storage  # in place
     live.verify()
-    # the SPARSE steps in sync (2, 3, 7, 8), walked by a walker (on a GPU, the payload names the
-    # rope's kept copy, host memory: decoded by torch)
+    # the SPARSE steps from the state held (2, 3; 4, the bridge at 5 and 6, one after another;
+    # 7, 8), walked by a walker (on a GPU, the payload names the rope's kept copy, host memory:
+    # decoded by torch)
     walked = walk != "torch" and device == "cpu"
-    assert walks[0] == (4 if walked and context == Context.NONE else 0)
+    assert walks[0] == (7 if walked and context == Context.NONE else 0)
     assert wholes[0] == (1 if walked else 0)  # the base at 1, decoded, written and checked at once
 
 
@@ -221,6 +222,34 @@ def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, wal
     with pytest.raises(DeltaError):
         live.update(3)
     assert walks[0] - walked == len(part.entries)  # every payload of step 3 was walked, then taken back
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+
+
+@pytest.mark.parametrize("walk", ["walk", "device"])
+def test_a_follower_steps_behind_walks_each_step_and_a_forged_one_takes_every_walk_back(
+    store_url, walk, walks, monkeypatch
+):
+    """A follower a step or two late walks each step in turn, at the cost of its change (composing
+    them through torch cost 30-300x a step in the fleet bench); a forged value in the last step is
+    caught as it is walked, and every walk of the update is taken back."""
+    apply = backend(walk, monkeypatch)
+    truth = publish(store_url)  # bases at 1, 5 and 9
+    forge_value(Store(store_url), 8)
+    engine = Engine()
+    live = follower(store_url, engine, apply)
+    live.update(2)
+    walked = walks[0]
+    prepared, _, _ = live.update(4)  # 3 and 4
+    assert (
+        exact(engine, truth[4])
+        and walks[0] - walked == 2
+        and prepared.report.changed == sum(Store(store_url).read_part(s, 0, 1).entries[0].changed for s in (3, 4))
+    )
+    live.update(6)  # 5's bridge and 6
+    before, walked = {k: v.clone() for k, v in engine.state().items()}, walks[0]
+    with pytest.raises(ChecksumError, match=f"step 8: payload 0 .*{MESSAGE}"):
+        live.update(8)  # 7, then the forged 8: both taken back (then from the base at 5, refused before a write)
+    assert walks[0] - walked == 2
     assert all(torch.equal(before[k], v) for k, v in engine.state().items())
 
 
@@ -540,11 +569,15 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
         assert [step for step, _ in report["errors"]] == [7, 8]  # 8's chain passes the damaged 7
         assert report["tampered"] == "ChecksumError" and report["refused"] == ["layer.rope"]
         # CLASSED payloads in a TP group: said once, with the way out; SPARSE ones are walked in
-        # place, each worker its slices and blocks: the two trainer ranks' payloads of steps 2, 3
-        # and the damaged 7, whose walks were taken back ("untouched")
+        # place, each worker its slices and blocks: the two trainer ranks' payloads of steps 2, 3,
+        # of 4, the bridge at 5 and 6 one after another, of the damaged 7 (rank 1's refused as it
+        # is walked: every walk taken back, "untouched"), and for 8 rank 0's 7 and 8 and rank 1's 7
+        # (the CPU walk stops at the refused payload; the device walk launches every one, and the
+        # one decision refuses them all)
         assert report["warned"] == (context == Context.EXPONENT)
-        assert report["walked"] == (0 if context == Context.EXPONENT else 6)
-        assert report["on_device"] == (6 if apply == ApplyBackend.DEVICE else 0)
+        walked = {"1": 0, "2": 2, "3": 2, "6": 6, "7": 2, "8": 4 if apply == ApplyBackend.DEVICE else 3}
+        assert report["walked_by_step"] == ({s: 0 for s in walked} if context == Context.EXPONENT else walked)
+        assert report["on_device"] == (sum(walked.values()) if apply == ApplyBackend.DEVICE else 0)
         if apply == ApplyBackend.DEVICE:  # step 3 under the sync audit: nothing waited before the decision
             assert report["waits_before_decision"] == [] and report["host_exchange_reads"] > 0
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and

@@ -293,11 +293,10 @@ class EngineFollower:
                 for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
                     if state is not None and self._walkable(rank, i, parts):
                         walked.add((rank, i))
-                        entry = parts[0].entries[i]
-                        changed += entry.changed
-                        if verify:
+                        changed += sum(part.entries[i].changed for part in parts)
+                        if verify:  # the first step of the chain; each later one as it is walked
                             local = True
-                            checked.append(self._payload(rank, i, parts[0], state))
+                            checked.append(self._payload(rank, i, parts[0], state.checksums[i]))
                         continue
                     if state is None and self._whole_walkable(rank, i, parts):
                         whole.add((rank, i))
@@ -714,7 +713,7 @@ class EngineFollower:
             return False
         assert prepared.held is not None and self._walker is not None
         held = prepared.held
-        payloads = [self._payload(r, i, prepared.chains[r][0], held[r]) for r, i in sorted(prepared.walked)]
+        payloads = [p for r, i in sorted(prepared.walked) for p in self._payloads(r, i, prepared.chains[r], held[r])]
         try:
             return bool(walks.apply(self._walker, payloads, functools.partial(self._target, params), self.group))
         except ChecksumError:
@@ -793,18 +792,27 @@ class EngineFollower:
         )
 
     def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
-        """Whether payload `i` of `rank` is walked in place (`apply`): one SPARSE payload from the
-        state held (the chain checks that it starts there), into tensors the map holds as runs or
-        2-D blocks."""
+        """Whether payload `i` of `rank` is walked in place (`apply`): SPARSE payloads from the state
+        held (the chain checks that it starts there), one step after another (a follower one step
+        late walks two, each at the cost of its change, rather than composing them through torch),
+        into tensors the map holds as runs or 2-D blocks."""
         return (
-            len(parts) == 1
-            and parts[0].header.kind == fmt.Kind.DELTA
-            and codec.mode_of(parts[0].payloads[i]) == codec.Mode.SPARSE
+            bool(parts)
+            and all(
+                p.header.kind == fmt.Kind.DELTA and codec.mode_of(p.payloads[i]) == codec.Mode.SPARSE for p in parts
+            )
             and self._segments_of(rank, i) is not None
         )
 
-    def _payload(self, rank: int, i: int, part: fmt.Part, held: RankState) -> walks.Payload:
-        """Payload `i` of `rank`'s part one step from `held`, as a walk takes it."""
+    def _payloads(self, rank: int, i: int, parts: Sequence[fmt.Part], held: RankState) -> list[walks.Payload]:
+        """Payload `i` of each of `rank`'s parts, in chain order, each one step from the one before
+        (walked in that order, taken back in the reverse)."""
+        before = [held.checksums[i]] + [part.entries[i].checksum for part in parts[:-1]]
+        return [self._payload(rank, i, part, b) for part, b in zip(parts, before, strict=True)]
+
+    def _payload(self, rank: int, i: int, part: fmt.Part, before: int) -> walks.Payload:
+        """Payload `i` of `rank`'s part, one step from a state whose checksum of it is `before`, as
+        a walk takes it."""
         view, table = self._views[rank][i], self._segments_of(rank, i)
         assert table is not None
         entry = part.entries[i]
@@ -816,7 +824,7 @@ class EngineFollower:
             changed=entry.changed,
             segments=table[0],
             names=tuple(table[1]),
-            moved=(entry.checksum - held.checksums[i]) & _MASK64,
+            moved=(entry.checksum - before) & _MASK64,
             where=f"{self.store.url} rank {rank} step {part.header.step}: payload {i}",
         )
 
