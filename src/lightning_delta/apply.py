@@ -1,5 +1,6 @@
-"""How an engine follower writes a step's SPARSE payloads that are one step from the state held:
-the apply backends, behind one small protocol.
+"""How an engine follower writes the SPARSE payloads of the steps from the state held to the step
+asked for (one, or several in turn for a follower that is late): the apply backends, behind one
+small protocol.
 
 - `ApplyBackend.CPU_WALK` (`sparse_walk`, numba): each payload decoded, checked and written in one
   pass over CPU parameters; a malformed payload stops its walk where it is found.
@@ -7,7 +8,7 @@ the apply backends, behind one small protocol.
   engine's device, the results left there; the step waits for the device once, at its decision
   (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).
 - `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time (the
-  reference, and the path of CLASSED payloads and of chains longer than one step).
+  reference, and the path of CLASSED payloads and of chains from a base).
 
 Whatever the backend, a step is written before it is checked and taken back if any worker's check
 fails (steps add mod 2**16, so `undo` restores every bit): `apply` walks every payload, settles

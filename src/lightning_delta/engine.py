@@ -8,11 +8,12 @@ exponents of a CLASSED payload, which the workers assemble with one all-reduce o
 element, after an exchange that carries any worker's failure, so that none waits in it alone),
 verified by the checksums' partial sums over the changes each worker owns, all-reduced over the
 group before anything is written, and then every worker writes `old + step` at the positions it
-holds.  A SPARSE payload one step from the state held is instead walked (`apply`: `sparse_walk` on
-the CPU, `device_walk`'s Triton kernels on a GPU): decoded, checked and written in one pass over the
-engine's memory, not two, its partial sums summed over the group once every payload is walked, and
-every walk taken back exactly (steps add mod 2**16) if any worker's check fails, so a failed step
-still leaves nothing written.  The
+holds.  SPARSE payloads from the state held are instead walked (`apply`: `sparse_walk` on the CPU,
+`device_walk`'s Triton kernels on a GPU), one step after another for a follower that is late:
+decoded, checked and written in one pass over the engine's memory, not two, their partial sums
+summed over the group once every payload is walked, and every walk taken back exactly, in
+reverse (steps add mod 2**16), if any worker's check fails, so a failed update still leaves
+nothing written.  The
 workers share one download: each fetches the parts of a share of the trainer ranks, checks them
 against their markers, and sends the others the blobs, or the error it met, which every worker
 then raises: each blob is hashed once in the group, by the worker that read it.
