@@ -202,6 +202,38 @@ def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only
     assert_loads(mirror.destination, truth, [3, 6, 9, 12, 15, 18, 40])
 
 
+def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):
+    """The stride learned from a listing (3, 5: 2) guesses 7 after 5; once the trainer commits 6
+    and 7, 7 is a delta from 6, which the mirror does not hold: copied, it would be a step listed at
+    the mirror that no reader reaches.  The mirror lists instead, and copies 6 then 7."""
+    shared = DictObjects()
+    watched = Recording("dict://home", shared.objects)
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: 0.0)
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth: dict = {}
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=1000)) as publisher,
+        Mirror(Store(watched), Store(DictObjects()), MirrorSettings(list_seconds=1000)) as mirror,
+    ):
+
+        def publish(step: int) -> None:
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+            publisher.flush()
+
+        publish(3)
+        publish(5)
+        assert mirror.sync().mirror_step == 5 and mirror.metrics.listings == 1  # the stride: 2
+        publish(6)
+        publish(7)
+        assert mirror.sync().mirror_step == 5 and mirror.metrics.listings == 1  # 7 found, not copied
+        assert mirror.destination.published_steps() == [3, 5]
+        metrics = mirror.sync()  # a listing: 6, then 7
+        assert metrics.mirror_step == 7 and metrics.listings == 2
+    assert_loads(mirror.destination, truth, [3, 5, 6, 7])
+
+
 def test_a_cadence_waits_until_the_next_step_is_due_and_polls_once_steps_come_early_or_at_once():
     cadence = Cadence(keep=2)
     assert cadence.wait(0.0, 0.1) == 0.1 and not cadence.overdue(0.0)  # no rhythm yet: every poll

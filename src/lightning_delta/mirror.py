@@ -252,9 +252,13 @@ class Mirror:
         mirrored_base = copied = False
         stopped = None
         while stopped is None:
-            step = max(self._done, default=-self._stride) + self._stride
-            parts = self._parts_named(step, world)
+            newest = max(self._done, default=None)
+            step = (newest if newest is not None else -self._stride) + self._stride
+            parts = self._parts_named(step, world, newest)
             if parts is None:  # not committed yet (or damaged: the overdue listing will say)
+                break
+            if not parts:  # a delta from a step the mirror does not hold: the guess passed one over
+                self._listed_at = None  # the next pass lists (the stride changed)
                 break
             self._known.add(step)
             self._seen.setdefault(step, time.monotonic())
@@ -269,18 +273,21 @@ class Mirror:
             return
         if mirrored_base:
             self._retain(None, mirrored_base)
-        if copied:
-            self._relay_heartbeat()
+        self._relay_heartbeat()  # every pass (a signed run's only): a paused trainer's stays fresh
         self._stopped = stopped
         self._update(stopped)
 
-    def _parts_named(self, step: int, world: int) -> list[_Part] | None:
+    def _parts_named(self, step: int, world: int, after: int | None) -> list[_Part] | None:
         """`step`'s parts at the source, found by their names: every rank's marker (read at once,
-        and kept), and beside a base its bridge if there is one; None until every rank committed."""
+        and kept), and beside a base its bridge if there is one; None until every rank committed;
+        none if a delta of it does not follow `after` (copied, it would be a step the mirror lists
+        that no reader can reach)."""
         parts = [_Part(step, rank, world, False) for rank in range(world)]
         markers = list(self._pool.map(self._source_marker, parts))
         if any(m is None for m in markers):
             return None
+        if any(m is not None and m.kind == fmt.Kind.DELTA and m.prev_step != after for m in markers):
+            return []
         bridges = [
             _Part(step, p.rank, world, True)
             for p, m in zip(parts, markers, strict=True)
