@@ -220,6 +220,8 @@ def test_sleep_mode_stops_the_prefetcher_before_the_weights_go(tmp_path):
     for key in ("update_asleep", "verify_asleep"):
         assert "wake the engine first" in result["errors"][key], key
     assert result["woken_1"]["asleep"] is None and result["woken_1"]["step"] == 1
+    reinit = result["reinit_asleep"]  # initialised again while asleep: it starts asleep, no prefetcher
+    assert reinit["asleep"] == 2 and reinit["prefetching"] is False and reinit["threads"] == 0
     assert result["woken_2"]["asleep"] is None and result["woken_2"]["step"] is None
     for step in ("1", "3", "4"):
         assert result[step]["step"] == int(step) and 0 <= result[step]["probe"] <= 0.02, step

@@ -483,6 +483,8 @@ def sleep_mode(work: str) -> dict[str, Any]:
     check("3")
     llm.sleep(level=2)
     trainer.publish(4)
+    llm.init_weight_transfer_engine({"init_info": info})  # a backend made while the weights sleep
+    result["reinit_asleep"] = {**llm.collective_rpc(STATUS)[0], "threads": _prefetchers()}
     llm.wake_up()
     result["woken_2"] = {**llm.collective_rpc(STATUS)[0]}
     update(4, "4")

@@ -33,7 +33,7 @@ from . import codec, device_walk, sparse_walk
 from . import format as fmt
 from .errors import ChecksumError, FormatError
 from .group import sum_partials
-from .sparse_walk import MESSAGES, Segments, Status
+from .sparse_walk import Segments
 
 __all__ = ["ApplyBackend", "Payload", "Walker", "apply", "check", "walker"]
 
@@ -256,8 +256,10 @@ class DeviceWalker:
         if not moved:
             return []
         rows = torch.stack([m for m in moved if isinstance(m, Tensor)]).tolist()  # the step's one wait
-        for payload, (status, _, _) in zip(payloads, rows, strict=True):
-            if status != Status.OK:
-                message = MESSAGES[Status(status)] if status in set(Status) else "tensor payload refused"
-                raise FormatError(f"{payload.where}: {message}")
-        return [(new - old) & _MASK64 for _, old, new in rows]
+        settled = []
+        for payload, row in zip(payloads, rows, strict=True):
+            try:
+                settled.append(device_walk.decide(row))
+            except FormatError as err:
+                raise FormatError(f"{payload.where}: {err}") from None
+        return settled

@@ -131,10 +131,6 @@ class DeviceWalk:
             self._decode(check=False, sign=-1)
             self._applied = False
 
-    def moved(self) -> Tensor:
-        """The owned changes' checksum move, `new - old` (int64, mod 2**64), on the device."""
-        return self.result[2] - self.result[1]
-
     def wrote(self, param: int) -> bool:
         """Whether the last `apply` wrote into parameter `param` (a host sync: for after the decision)."""
         return any(t and name == param for t, name in zip(self._touched.tolist(), self._table.names, strict=True))
@@ -171,10 +167,11 @@ def _on_device(sections: Sequence[Tensor], device: torch.device) -> tuple[Tensor
     return tuple(staged.to(device, non_blocking=True).split(sizes))
 
 
-def decide(result: Tensor) -> int:
-    """The one host sync of a walk (or of a group's summed results): raises `FormatError` where
-    the status refuses the payload, else returns the checksum move, mod 2**64."""
-    status, old, new = result.tolist()
+def decide(result: Sequence[int]) -> int:
+    """A walk's result once read on the host (its status, old and new partial sums: the step reads
+    every walk's at once, the one wait): raises `FormatError` where the status refuses the payload,
+    else returns the checksum move, mod 2**64."""
+    status, old, new = result
     if status != Status.OK:
         raise FormatError(MESSAGES[Status(status)] if status in set(Status) else "tensor payloads refused")
     return (new - old) & _MASK64

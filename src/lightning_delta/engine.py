@@ -224,7 +224,8 @@ class EngineFollower:
         return newest
 
     def prepare(self, step: int) -> EngineStep:
-        """Fetch, decode and verify `step` against what the engine holds, writing nothing."""
+        """Fetch, decode and verify `step` against what the engine holds, writing nothing (of the
+        steps a late follower walks in turn, the first; `write` checks each as it walks it in)."""
         return self._prepare_step(step, verify=True)
 
     def _prepare_step(self, step: int, verify: bool) -> EngineStep:
@@ -265,8 +266,8 @@ class EngineFollower:
     ]:
         """Every rank's verified chain and state at `step`, the payloads `write` walks in place and
         whole, the elements to write, the parts this worker fetched, and the seconds of its fetch.
-        The payloads `write` walks are checked here only with `verify` (each is checked again as it
-        is written)."""
+        The payloads `write` walks are checked here only with `verify`, and of several steps only
+        the first (each is checked again as it is written)."""
         started = time.perf_counter()
         chains, fetched, base_step = self._fetch(step, held)
         share = time.perf_counter() - started
@@ -314,7 +315,7 @@ class EngineFollower:
             if checked:
                 assert self._walker is not None
                 partials += walks.check(self._walker, checked, functools.partial(self._target, params))
-                expected += [(*p.key, step, p.moved) for p in checked]
+                expected += [(*p.key, chains[p.key[0]][0].header.step, p.moved) for p in checked]
         except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it
             outcome = err
         if outcome is not None and (self.group is None or not local):
@@ -936,9 +937,16 @@ class EngineFollower:
             except Exception as err:  # kept for `take`, which prepares again and raises it there
                 result.append(err)
 
+        written = None  # the writes queued so far on the caller's stream: the prefetcher reads after them
+        if self.device.type == "cuda":
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.device))
+
         def on_device() -> None:  # a new thread's current CUDA device is 0, whatever the engine's
-            if self.device.type == "cuda":  # on a side stream: its waits are not for the engine's work
-                with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
+            if written is not None:  # on a side stream: its waits are not for the engine's work
+                side = torch.cuda.Stream(self.device)
+                side.wait_event(written)
+                with torch.cuda.device(self.device), torch.cuda.stream(side):
                     run()
             else:
                 run()

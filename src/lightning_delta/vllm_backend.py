@@ -207,6 +207,9 @@ class EngineAsleepError(DeltaError):
     (`llm.wake_up(tags=["weights"])`, or `/wake_up?tags=weights`), then update."""
 
 
+_SLEEP_LEVEL = "lightning_delta_sleep_level"
+"""The worker's attribute: the level of vLLM's sleep its weights are in (0: awake), which a backend
+initialised meanwhile starts from."""
 STATUS, DISTRUST, VERIFY = "lightning_delta_status", "lightning_delta_distrust", "lightning_delta_verify"
 """The worker methods the backend adds to the vLLM worker it belongs to, called by name through
 `llm.collective_rpc(NAME)` or `vllm serve`'s `POST /collective_rpc {"method": NAME}`: plain
@@ -287,6 +290,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         worker = _owner(self)
         if worker is not None:
             self._attach(worker)
+            self.asleep = getattr(worker, _SLEEP_LEVEL, 0) or None  # an init while the weights sleep
         elif self.device.type != "cpu":  # sleep mode unseen: a prefetcher could read freed weights
             self._prefetch = False
             log.warning(
@@ -412,11 +416,13 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
 
         def sleeping(level: int = 1, *args: Any, **kwargs: Any) -> Any:
             backend().fall_asleep(level)  # before a byte of the weights goes
+            setattr(worker, _SLEEP_LEVEL, max(level, getattr(worker, _SLEEP_LEVEL, 0)))  # for an init meanwhile
             return sleep(level, *args, **kwargs)
 
         def waking(tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
             woken = wake_up(tags, *args, **kwargs)
             if tags is None or "weights" in tags:
+                setattr(worker, _SLEEP_LEVEL, 0)
                 backend().wake()
             return woken
 
