@@ -3,6 +3,7 @@ refusals, damage at the source, mirrors of mirrors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -165,11 +167,12 @@ def test_each_source_object_is_read_once_across_passes():
     assert mirror.metrics.bytes_read == sum(len(v) for v in shared.objects.values())
 
 
-def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only_when_one_is_overdue(monkeypatch):
+@contextlib.contextmanager
+def _following() -> Iterator[tuple[Callable[[int], None], Mirror, Recording, dict]]:
+    """A trainer publishing the steps asked for (one base, then deltas) and a mirror of it that
+    lists rarely: `publish(step)`, the mirror, its recorded view of the source, the truth."""
     shared = DictObjects()
     watched = Recording("dict://home", shared.objects)  # the mirror's view of the source
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
     torch.manual_seed(0)
     model = TinyLM()
     truth: dict = {}
@@ -183,6 +186,13 @@ def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only
             publisher.publish(step)
             publisher.flush()
 
+        yield publish, mirror, watched, truth
+
+
+def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only_when_one_is_overdue(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    with _following() as (publish, mirror, watched, truth):
         publish(3)
         publish(6)
         assert mirror.sync().mirror_step == 6 and mirror.metrics.listings == 1  # learns the stride, 3
@@ -206,22 +216,8 @@ def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_befor
     """The stride learned from a listing (3, 5: 2) guesses 7 after 5; once the trainer commits 6
     and 7, 7 is a delta from 6, which the mirror does not hold: copied, it would be a step listed at
     the mirror that no reader reaches.  The mirror lists instead, and copies 6 then 7."""
-    shared = DictObjects()
-    watched = Recording("dict://home", shared.objects)
     monkeypatch.setattr(mirror_module.time, "monotonic", lambda: 0.0)
-    torch.manual_seed(0)
-    model = TinyLM()
-    truth: dict = {}
-    with (
-        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=1000)) as publisher,
-        Mirror(Store(watched), Store(DictObjects()), MirrorSettings(list_seconds=1000)) as mirror,
-    ):
-
-        def publish(step: int) -> None:
-            truth[step] = train(None, model, 1, seed=step)[1]
-            publisher.publish(step)
-            publisher.flush()
-
+    with _following() as (publish, mirror, _, truth):
         publish(3)
         publish(5)
         assert mirror.sync().mirror_step == 5 and mirror.metrics.listings == 1  # the stride: 2
