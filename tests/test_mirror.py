@@ -4,6 +4,7 @@ refusals, damage at the source, mirrors of mirrors."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -397,13 +398,22 @@ def test_the_mirror_command_follows_with_a_progress_line_until_interrupted(tmp_p
     truth = published_run(src, 4, base_every=3)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "lightning_delta.cli", "mirror", src, dst, "--follow", "--poll-seconds", "0.05"]
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    # SIGINT at its default in the child, as at a terminal: a shell without job control starts
+    # background commands (a CI runner's, say) with SIGINT ignored, and the child would inherit it
+    at_terminal = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=at_terminal
+    ) as proc:
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline()
             assert line.startswith("mirror at step 4 of 4, 0 behind, ") and "bytes copied" in line and "lag" in line
         finally:
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=120)
+            try:
+                _, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # fail, not hang
+                raise
     assert proc.returncode == 0, err
     assert_loads(dst, truth, [1, 2, 3, 4])
