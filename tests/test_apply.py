@@ -5,6 +5,8 @@ or, where the step's check fails, every walk taken back to the last bit."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +49,69 @@ def test_on_a_gpu_the_device_walk_leaves_a_payload_naming_a_kept_copy_to_torch()
     """A refused tensor's kept copy is host memory, which a kernel on the GPU cannot write."""
     assert apply.DeviceWalker(CUDA).takes(["qkv", "o"]) and not apply.DeviceWalker(CUDA).takes(["qkv", 0])
     assert apply.DeviceWalker(CPU).takes(["qkv", 0])
+
+
+class Faulty:
+    """A kernel as `device_walk` launches it (`kernel[grid](...)`), made to fail: `raises` (a
+    compile or launch error), `wrong` (a write of twice the step) or `no undo` (an undo that
+    writes nothing)."""
+
+    def __init__(self, kernel: Any, fault: str) -> None:
+        self.kernel, self.fault = kernel, fault
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            if self.fault == "raises":
+                raise RuntimeError("PTX compilation failed (a stand-in)")
+            sign = args[-1]
+            if not kwargs["CHECK"] and self.fault in ("wrong", "no undo"):
+                if sign == -1 and self.fault == "no undo":
+                    return
+                args = (*args[:-1], 2 * sign if self.fault == "wrong" else sign)
+            self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+FAULTS = {
+    "raises": "the kernels raised RuntimeError: PTX compilation failed",
+    "wrong": "the kernels wrote other values than torch's decoder",
+    "no undo": "the kernels' undo did not restore every bit",
+}
+
+
+def faulty(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    count, decode = device_walk._kernels()
+    faults = (Faulty(count, fault), Faulty(decode, fault)) if fault == "raises" else (count, Faulty(decode, fault))
+    monkeypatch.setattr(device_walk, "_kernels", lambda: faults)
+
+
+def test_the_kernels_prove_themselves_against_torch_and_say_what_failed(monkeypatch):
+    assert device_walk.prove(CPU) is None
+    for fault, said in FAULTS.items():
+        with monkeypatch.context() as patched:
+            faulty(patched, fault)
+            assert said in (device_walk.prove(CPU) or ""), fault
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong"])
+def test_kernels_that_fail_their_proof_leave_the_follower_on_torch_and_exact(store_url, monkeypatch, caplog, fault):
+    """Before the device walk writes anything of the engine's, its kernels run on a synthetic step
+    on the device: a kernel that raises, or writes a wrong value, leaves the follower on torch for
+    its life, with a warning that says what failed."""
+    truth = publish(store_url)
+    faulty(monkeypatch, fault)
+    engine = Engine()
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.apply"):
+        live = follower(store_url, engine, ApplyBackend.DEVICE)
+    assert f"failed their proof on cpu ({FAULTS[fault]}" in caplog.text
+    assert live.walks_with == ApplyBackend.TORCH
+    walked = []
+    monkeypatch.setattr(device_walk.DeviceWalk, "apply", lambda walk: walked.append(walk))
+    for step in (1, 2, 3, 4):
+        prepared, _, _ = live.update(step)
+        assert prepared.step == step and exact(engine, truth[step])
+    assert walked == []
 
 
 def test_a_follower_told_to_use_torch_walks_nothing(store_url, monkeypatch):
@@ -133,3 +198,4 @@ def test_without_a_group_a_worker_decides_alone():
     assert group.decide(None, 7) == [7]
     with pytest.raises(KeyError):
         group.sum_partials(None, [1], KeyError("the failure"))
+

@@ -326,13 +326,13 @@ def probe(work: str) -> dict[str, Any]:
     weight after step 2): refused, and the next update re-syncs it."""
     from vllm import LLM
 
-    from lightning_delta.vllm_backend import ProbeError, check_probe
+    from lightning_delta.vllm_backend import STATUS, ProbeError, check_probe
 
     backend = {"backend": "lightning_delta"}
     llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
-    info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE}
+    info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE, "apply": "torch"}
     llm.init_weight_transfer_engine({"init_info": info})
-    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths)}
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "apply": llm.collective_rpc(STATUS)[0]["apply"]}
 
     def check(key: str) -> None:
         started = time.perf_counter()

@@ -205,6 +205,12 @@ class EngineFollower:
         return (len(mapped), sum(sizes[n] for n in mapped)), (len(refused), sum(sizes[n] for n in refused))
 
     @property
+    def walks_with(self) -> ApplyBackend:
+        """What writes this worker's SPARSE payloads in sync: `ApplyBackend.TORCH` too where the
+        device walk's kernels failed their proof (`apply.walker`)."""
+        return walks.backend_of(self._walker)
+
+    @property
     def held_step(self) -> int | None:
         return self._held[0].header.step if self._held else None
 
