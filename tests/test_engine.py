@@ -86,12 +86,22 @@ def backend(name: str, monkeypatch: pytest.MonkeyPatch) -> ApplyBackend | None:
 
 @pytest.fixture
 def walks(monkeypatch) -> list[int]:
-    """Counts the payloads walked in place (`sparse_walk`, `device_walk`), rather than decoded by torch."""
-    count = [0]
+    """Counts the payloads walked in place (`sparse_walk`, `device_walk`), rather than decoded by torch
+    (not the synthetic step the device walk proves its kernels with)."""
+    count, proving, prove = [0], [False], device_walk.prove
+
+    def proved(device: torch.device) -> str | None:
+        proving[0] = True
+        try:
+            return prove(device)
+        finally:
+            proving[0] = False
+
+    monkeypatch.setattr(device_walk, "prove", proved)
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
 
         def counted(walk: object, apply=cls.apply) -> object:
-            count[0] += 1
+            count[0] += not proving[0]
             return apply(walk)
 
         monkeypatch.setattr(cls, "apply", counted)
