@@ -5,7 +5,9 @@ or, where the step's check fails, every walk taken back to the last bit."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -199,3 +201,31 @@ def test_without_a_group_a_worker_decides_alone():
     with pytest.raises(KeyError):
         group.sum_partials(None, [1], KeyError("the failure"))
 
+
+def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
+    """A table is cached per payload and holds addresses, not tensors: a parameter the engine
+    replaced is freed, its replacement gets a table of its own, and a target that no longer fits
+    where the table was built is refused, never written past."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    walker = apply.DeviceWalker(CPU)
+    [moved] = apply.check(walker, [payload], {"w": old}.__getitem__)
+    payload = dataclasses.replace(payload, moved=moved)
+    param = torch.zeros(64, dtype=torch.int16)
+    replaced = weakref.ref(param)
+    apply.apply(walker, [payload], {"w": param}.__getitem__, None)
+    assert torch.equal(param, new)
+    del param
+    gc.collect()
+    assert replaced() is None  # the cached table did not keep it
+    again = torch.zeros(64, dtype=torch.int16)
+    apply.apply(walker, [payload], {"w": again}.__getitem__, None)
+    assert torch.equal(again, new)
+    base = torch.zeros(128, dtype=torch.int16)
+    apply.apply(walker, [payload], {"w": base[:64]}.__getitem__, None)
+    with pytest.raises(ValueError, match="which hold"):  # same address, fewer elements: a table of its own
+        walker.walk(payload, [base[:32]])

@@ -257,24 +257,24 @@ class _CpuWalk:
 class DeviceWalker:
     """`ApplyBackend.DEVICE`: a payload's walk leaves its status and partial sums on the device;
     `settle` reads every walk's at once.  Each payload's segment table is copied to the device
-    once, and again only when the engine re-registers a parameter it names (a table holds
-    their addresses)."""
+    once, and again only when a parameter it names no longer lies where it did (the engine
+    re-registered it: a table holds addresses and sizes, not the tensors, so a replaced
+    parameter is freed)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._tables: dict[tuple[int, int], tuple[tuple[int, ...], device_walk.DeviceTable]] = {}
+        self._tables: dict[tuple[int, int], device_walk.DeviceTable] = {}
 
     def takes(self, names: Sequence[Name]) -> bool:
         # a refused tensor's kept copy is host memory: on a GPU its payload is decoded by torch
         return self.device.type == "cpu" or all(isinstance(n, str) for n in names)
 
     def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
-        addresses = tuple(t.data_ptr() for t in targets)
-        cached = self._tables.get(payload.key)
-        if cached is None or cached[0] != addresses:
-            cached = addresses, device_walk.DeviceTable(payload.segments, targets, self.device)
-            self._tables[payload.key] = cached
-        return device_walk.DeviceWalk(payload.parse(), cached[1])
+        table = self._tables.get(payload.key)
+        if table is None or table.places != device_walk.places(targets):
+            table = device_walk.DeviceTable(payload.segments, targets, self.device)
+            self._tables[payload.key] = table
+        return device_walk.DeviceWalk(payload.parse(), table)
 
     def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
         if not moved:

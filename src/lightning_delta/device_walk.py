@@ -40,7 +40,7 @@ from .checksum import checksum_at
 from .errors import FormatError
 from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
 
-__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide", "prove"]
+__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide", "places", "prove"]
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 """Whether device walks can run here (triton importable; on the CPU only under TRITON_INTERPRET=1)."""
@@ -61,13 +61,17 @@ _MASK64 = (1 << 64) - 1
 
 class DeviceTable:
     """A segment table on the device, each row with the address of the parameter it names (flat
-    int16 tensors on one device, kept alive here): built once per plan, read by every step's walks."""
+    int16 tensors on one device): built once per plan, read by every step's walks.  It holds no
+    parameter, only where each lies (`places`): a walk's caller checks that its targets still lie
+    there and keeps them alive while the walk's launches run (an engine holds its parameters)."""
 
     def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
             raise ValueError(f"parameters are contiguous flat int16 tensors on {device}")
         segments.check_fits([p.numel() for p in params])
-        self.n, self.device, self.params = segments.n, device, params
+        self.n, self.device = segments.n, device
+        self.places = places(params)
+        """Each parameter's (address, elements): what the rows were built for."""
         rows = [[*row, params[row[2]].data_ptr()] for row in segments.calls[:-1]]
         rows.append([self.n, self.n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel
         self.names = [row[2] for row in rows]
@@ -156,6 +160,11 @@ class DeviceWalk:
             BLOCK=self._block,
             WIDTH=_WIDTH,
         )
+
+
+def places(params: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
+    """Where each of `params` lies: (address, elements), which a `DeviceTable` is built for."""
+    return tuple((p.data_ptr(), p.numel()) for p in params)
 
 
 def _on_device(sections: Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
