@@ -23,9 +23,9 @@ from lightning_delta import (
     codec,
     device_walk,
     sparse_walk,
+    torch_path,
     whole_walk,
 )
-from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta import publisher as publisher_module
 from lightning_delta.apply import ApplyBackend
@@ -155,7 +155,7 @@ def test_every_step_lands_in_the_engine_bit_exactly_at_the_cost_of_the_change(
     store_url, context, device, chunk, walk, walks, wholes, monkeypatch
 ):
     if chunk is not None:  # a step in sync in many chunks of changes, each decoded, checked and written
-        monkeypatch.setattr(engine_module, "_CHUNK", chunk)
+        monkeypatch.setattr(torch_path, "_CHUNK", chunk)
     apply = backend(walk, monkeypatch)
     truth = publish(store_url, context)
     engine = Engine().to(device)
