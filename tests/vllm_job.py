@@ -113,10 +113,10 @@ def forge(rank: int, work: str, run_id: str) -> None:
     from safetensors.torch import load_file
 
     from lightning_delta import DeltaPublisher, PublisherSettings
-    from lightning_delta import publisher as publisher_module
+    from lightning_delta import claim as claim_module
 
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-forge", rank=rank, world_size=2)
-    publisher_module._make_run = lambda store, run_id, *_: (run_id, store.run().sha256)  # type: ignore[assignment]
+    claim_module._make_run = lambda store, run_id, *_: (run_id, store.run().sha256)  # type: ignore[assignment]
     state = {k: torch.full_like(v, 7.0) for k, v in load_file(f"{work}/model/model.safetensors").items()}
     settings = PublisherSettings(signing_key=f"{work}/attacker")
     with DeltaPublisher(f"{work}/elsewhere", lambda: state, settings, run_id=run_id) as publisher:
