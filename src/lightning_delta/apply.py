@@ -9,8 +9,8 @@ small protocol.
   (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).  Its kernels prove
   themselves on the device when the walker is made, before anything is written; where they fail,
   the follower takes torch.
-- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time (the
-  reference, and the path of CLASSED payloads and of chains from a base).
+- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time
+  (`torch_path`: the reference, and the path of CLASSED payloads and of chains from a base).
 
 Whatever the backend, a step is written before it is checked and taken back if any worker's check
 fails (steps add mod 2**16, so `undo` restores every bit): `apply` walks every payload, settles

@@ -188,9 +188,10 @@ def decide(result: Sequence[int]) -> int:
     return (new - old) & _MASK64
 
 
-_PROOF_ROWS, _PROOF_COLUMNS = 32, 128
-"""The proof's synthetic payload: a run of 4096 positions, then a 32 x 128 tensor of which the
-worker holds a block of rows 8-23 and columns 32-95, as a tensor-parallel worker does."""
+_PROOF_ROWS, _PROOF_COLUMNS = 256, 128
+"""The proof's synthetic payload: a run of 4096 positions, then a 256 x 128 tensor of which the
+worker holds a block of rows 8-23 and columns 32-95, as a tensor-parallel worker does; its high
+bits span several of a GPU's blocks, so that ranks carry from block to block."""
 
 
 def prove(device: torch.device) -> str | None:
