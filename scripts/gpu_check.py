@@ -231,6 +231,8 @@ def engine_check(device: torch.device, scale: float) -> None:
         view_map = ViewMap.learn(specs, lambda name, t: params[name].copy_(t), params)
         for backend in backends:
             follower = EngineFollower(store, view_map, lambda: params, None, device=device, apply=backend)
+            if follower.walks_with != backend:  # the log says what failed
+                row(f"engine follower ({backend.value})", "its kernels failed their proof: the rows below are torch's")
             follower.write(follower.prepare(1))
             timings: dict[float, list[float]] = {0.02: [], 0.005: []}
             exact, peak, syncs = True, 0, []

@@ -71,7 +71,7 @@ MUTANTS = (
     Mutant(
         "engine-composed-checksum",
         "a chain composed on a whole payload (a re-sync from a base) is checked by the trainer's checksum",
-        "engine.py",
+        "torch_path.py",
         "                    if partials is not None and moved != entry.checksum:\n",
         "                    if False:\n",
         ("tests/test_engine.py::-k only_its_checksum and update and torch",),

@@ -33,6 +33,7 @@ from fused import Engine
 from lightning_delta import Store, codec
 from lightning_delta.codec import Context, Mode
 from lightning_delta.engine import EngineFollower
+from lightning_delta.torch_path import TorchPath
 from lightning_delta.viewmap import ViewMap
 from test_engine import publish
 
@@ -89,13 +90,13 @@ def main() -> None:
         untouched = all(torch.equal(before[k], v) for k, v in engine.state().items())
         report[name] = [*outcome, untouched, follower.held_step]
 
-    exponents, asked = EngineFollower._exponents, [0]
+    exponents, asked = TorchPath.exponents, [0]
 
-    def counted(self: EngineFollower, *args: object) -> object:
+    def counted(self: TorchPath, *args: object) -> object:
         asked[0] += 1
         return exponents(self, *args)
 
-    EngineFollower._exponents = counted  # type: ignore[method-assign]
+    TorchPath.exponents = counted  # type: ignore[method-assign]
     iter_steps, calls = codec.iter_steps, [0]
     codec.iter_steps = failing_on(1, 2, iter_steps, torch.OutOfMemoryError("out of memory decoding"), calls)  # type: ignore[assignment]
     case("decode", lambda: follower.prepare(2))
@@ -108,12 +109,12 @@ def main() -> None:
     codec.exponent_bytes = exponent_bytes  # type: ignore[assignment]
 
     prepared = follower.prepare(2)
-    write_slice, calls = EngineFollower._write_slice, [0]
-    EngineFollower._write_slice = failing_on(  # type: ignore[method-assign]
+    write_slice, calls = TorchPath.write_slice, [0]
+    TorchPath.write_slice = failing_on(  # type: ignore[method-assign]
         1, 1, write_slice, torch.OutOfMemoryError("out of memory writing"), calls
     )
     case("write", lambda: follower.write(prepared))
-    EngineFollower._write_slice = write_slice  # type: ignore[method-assign]
+    TorchPath.write_slice = write_slice  # type: ignore[method-assign]
     report["write_calls"] = calls[0]
     case("resync", lambda: follower.update(3))
     report["resync_exact"] = exact(3)

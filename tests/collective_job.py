@@ -53,6 +53,7 @@ from lightning_delta import format as fmt
 from lightning_delta.engine import EngineFollower
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.replica import exchange
+from lightning_delta.torch_path import TorchPath
 from lightning_delta.viewmap import ViewMap
 from tinylm import TinyLM
 
@@ -214,9 +215,9 @@ def main() -> None:
     mixed._params = params
     report["keyerror_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
 
-    write_slice, walk_whole, oom_calls = EngineFollower._write_slice, EngineFollower._walk_whole, [0, 0]
+    write_slice, walk_whole, oom_calls = TorchPath.write_slice, EngineFollower._walk_whole, [0, 0]
 
-    def out_of_memory(self: EngineFollower, *args: object) -> bool:
+    def out_of_memory(self: TorchPath, *args: object) -> bool:
         oom_calls[0] += 1
         raise torch.OutOfMemoryError("out of memory while writing a whole payload")
 
@@ -225,11 +226,11 @@ def main() -> None:
         raise torch.OutOfMemoryError("out of memory while walking a base's payload")
 
     if rank == 1:  # torch's write of a whole payload, and the one-pass walk of a base's
-        EngineFollower._write_slice = out_of_memory  # type: ignore[method-assign]
+        TorchPath.write_slice = out_of_memory  # type: ignore[method-assign]
         EngineFollower._walk_whole = out_of_memory_walking  # type: ignore[method-assign]
     mixed._held = None  # both load step 5 from its base: every payload is written whole
     report["oom_write"] = outcome(lambda: mixed.update(5))
-    EngineFollower._write_slice, EngineFollower._walk_whole = write_slice, walk_whole  # type: ignore[method-assign]
+    TorchPath.write_slice, EngineFollower._walk_whole = write_slice, walk_whole  # type: ignore[method-assign]
     report["oom_calls"] = oom_calls
     report["oom_held"] = mixed.held_step
     report["oom_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]

@@ -28,9 +28,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from conftest import replace_blob
 from fused import Engine
-from lightning_delta import DeltaError, Store, device_walk, replica, sparse_walk
+from lightning_delta import DeltaError, Store, device_walk, replica, sparse_walk, torch_path
 from lightning_delta import apply as walkers
-from lightning_delta import engine as engine_module
 from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import Context
@@ -53,7 +52,7 @@ def main() -> None:
         blob[len(blob) - part.entries[-1].length // 2] ^= 0x01
         replace_blob(store, 7, 1, 2, bytes(blob))
     dist.barrier()
-    engine_module._CHUNK = 64  # a step in sync in many chunks of changes, each checked, then written
+    torch_path._CHUNK = 64  # a step in sync in many chunks of changes, each checked, then written
     engine = Engine(rank, size)
     specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
@@ -67,7 +66,7 @@ def main() -> None:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lightning_delta.engine").addHandler(handler)
+    logging.getLogger("lightning_delta").addHandler(handler)  # the engine's and its torch path's
     report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
     report["walked"], report["on_device"] = 0, 0
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):

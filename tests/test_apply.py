@@ -5,6 +5,10 @@ or, where the step's check fails, every walk taken back to the last bit."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import logging
+import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +51,69 @@ def test_on_a_gpu_the_device_walk_leaves_a_payload_naming_a_kept_copy_to_torch()
     """A refused tensor's kept copy is host memory, which a kernel on the GPU cannot write."""
     assert apply.DeviceWalker(CUDA).takes(["qkv", "o"]) and not apply.DeviceWalker(CUDA).takes(["qkv", 0])
     assert apply.DeviceWalker(CPU).takes(["qkv", 0])
+
+
+class Faulty:
+    """A kernel as `device_walk` launches it (`kernel[grid](...)`), made to fail: `raises` (a
+    compile or launch error), `wrong` (a write of twice the step) or `no undo` (an undo that
+    writes nothing)."""
+
+    def __init__(self, kernel: Any, fault: str) -> None:
+        self.kernel, self.fault = kernel, fault
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            if self.fault == "raises":
+                raise RuntimeError("PTX compilation failed (a stand-in)")
+            sign = args[-1]
+            if not kwargs["CHECK"] and self.fault in ("wrong", "no undo"):
+                if sign == -1 and self.fault == "no undo":
+                    return
+                args = (*args[:-1], 2 * sign if self.fault == "wrong" else sign)
+            self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+FAULTS = {
+    "raises": "the kernels raised RuntimeError: PTX compilation failed",
+    "wrong": "the kernels wrote other values than torch's decoder",
+    "no undo": "the kernels' undo did not restore every bit",
+}
+
+
+def faulty(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    count, decode = device_walk._kernels()
+    faults = (Faulty(count, fault), Faulty(decode, fault)) if fault == "raises" else (count, Faulty(decode, fault))
+    monkeypatch.setattr(device_walk, "_kernels", lambda: faults)
+
+
+def test_the_kernels_prove_themselves_against_torch_and_say_what_failed(monkeypatch):
+    assert device_walk.prove(CPU) is None
+    for fault, said in FAULTS.items():
+        with monkeypatch.context() as patched:
+            faulty(patched, fault)
+            assert said in (device_walk.prove(CPU) or ""), fault
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong"])
+def test_kernels_that_fail_their_proof_leave_the_follower_on_torch_and_exact(store_url, monkeypatch, caplog, fault):
+    """Before the device walk writes anything of the engine's, its kernels run on a synthetic step
+    on the device: a kernel that raises, or writes a wrong value, leaves the follower on torch for
+    its life, with a warning that says what failed."""
+    truth = publish(store_url)
+    faulty(monkeypatch, fault)
+    engine = Engine()
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.apply"):
+        live = follower(store_url, engine, ApplyBackend.DEVICE)
+    assert f"failed their proof on cpu ({FAULTS[fault]}" in caplog.text
+    assert live.walks_with == ApplyBackend.TORCH
+    walked = []
+    monkeypatch.setattr(device_walk.DeviceWalk, "apply", lambda walk: walked.append(walk))
+    for step in (1, 2, 3, 4):
+        prepared, _, _ = live.update(step)
+        assert prepared.step == step and exact(engine, truth[step])
+    assert walked == []
 
 
 def test_a_follower_told_to_use_torch_walks_nothing(store_url, monkeypatch):
@@ -133,3 +200,32 @@ def test_without_a_group_a_worker_decides_alone():
     assert group.decide(None, 7) == [7]
     with pytest.raises(KeyError):
         group.sum_partials(None, [1], KeyError("the failure"))
+
+
+def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
+    """A table is cached per payload and holds addresses, not tensors: a parameter the engine
+    replaced is freed, its replacement gets a table of its own, and a target that no longer fits
+    where the table was built is refused, never written past."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    walker = apply.DeviceWalker(CPU)
+    [moved] = apply.check(walker, [payload], {"w": old}.__getitem__)
+    payload = dataclasses.replace(payload, moved=moved)
+    param = torch.zeros(64, dtype=torch.int16)
+    replaced = weakref.ref(param)
+    apply.apply(walker, [payload], {"w": param}.__getitem__, None)
+    assert torch.equal(param, new)
+    del param
+    gc.collect()
+    assert replaced() is None  # the cached table did not keep it
+    again = torch.zeros(64, dtype=torch.int16)
+    apply.apply(walker, [payload], {"w": again}.__getitem__, None)
+    assert torch.equal(again, new)
+    base = torch.zeros(128, dtype=torch.int16)
+    apply.apply(walker, [payload], {"w": base[:64]}.__getitem__, None)
+    with pytest.raises(ValueError, match="which hold"):  # same address, fewer elements: a table of its own
+        walker.walk(payload, [base[:32]])

@@ -30,8 +30,8 @@ from lightning_delta import (
     Store,
     records,
 )
+from lightning_delta import claim as claim_module
 from lightning_delta import format as fmt
-from lightning_delta import publisher as publisher_module
 from lightning_delta.signing import PublicKey, SigningKey, Trust, keygen
 
 
@@ -90,7 +90,7 @@ def forge(tmp_path: Path, real: str, run_id: str, step: int, key: str | None) ->
     os.makedirs(elsewhere)
     shutil.copy(Path(real) / fmt.RUN_MANIFEST, elsewhere)
     mp = pytest.MonkeyPatch()
-    mp.setattr(publisher_module, "_make_run", lambda store, run_id, *_: (run_id, store.run().sha256))
+    mp.setattr(claim_module, "_make_run", lambda store, run_id, *_: (run_id, store.run().sha256))
     try:
         publish(elsewhere, [step], key, run_id=run_id, value=7.0)
     finally:

@@ -180,8 +180,10 @@ def test_the_probe_through_the_engine_catches_a_stale_derived_copy(tmp_path):
     """`check_probe`: vLLM's own log-probs of the trainer's probe batch against the trainer's, after
     each step of a prepacked engine (within the tolerance), then with layer 0's down_proj computing
     from its step-1 prepacked copy after step 2 (every checksum passes: only the probe sees it):
-    `ProbeError`, the engine holds no step, and the next update re-syncs it from its base."""
+    `ProbeError`, the engine holds no step, and the next update re-syncs it from its base.  (Its
+    steps are written by torch, picked with `init_info`'s `apply`.)"""
     result = run("probe", tmp_path, plain=False)
+    assert result["apply"] == "torch"
     tolerance = 0.02  # vllm_job.PROBE_TOLERANCE
     for key in ("1", "2", "resynced"):
         assert "refused" not in result[key] and result[key]["error"] <= tolerance, key

@@ -113,10 +113,10 @@ def forge(rank: int, work: str, run_id: str) -> None:
     from safetensors.torch import load_file
 
     from lightning_delta import DeltaPublisher, PublisherSettings
-    from lightning_delta import publisher as publisher_module
+    from lightning_delta import claim as claim_module
 
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-forge", rank=rank, world_size=2)
-    publisher_module._make_run = lambda store, run_id, *_: (run_id, store.run().sha256)  # type: ignore[assignment]
+    claim_module._make_run = lambda store, run_id, *_: (run_id, store.run().sha256)  # type: ignore[assignment]
     state = {k: torch.full_like(v, 7.0) for k, v in load_file(f"{work}/model/model.safetensors").items()}
     settings = PublisherSettings(signing_key=f"{work}/attacker")
     with DeltaPublisher(f"{work}/elsewhere", lambda: state, settings, run_id=run_id) as publisher:
@@ -326,13 +326,13 @@ def probe(work: str) -> dict[str, Any]:
     weight after step 2): refused, and the next update re-syncs it."""
     from vllm import LLM
 
-    from lightning_delta.vllm_backend import ProbeError, check_probe
+    from lightning_delta.vllm_backend import STATUS, ProbeError, check_probe
 
     backend = {"backend": "lightning_delta"}
     llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
-    info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE}
+    info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE, "apply": "torch"}
     llm.init_weight_transfer_engine({"init_info": info})
-    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths)}
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "apply": llm.collective_rpc(STATUS)[0]["apply"]}
 
     def check(key: str) -> None:
         started = time.perf_counter()

@@ -6,9 +6,11 @@ small protocol.
   pass over CPU parameters; a malformed payload stops its walk where it is found.
 - `ApplyBackend.DEVICE` (`device_walk`, Triton): each payload in a fixed number of launches on the
   engine's device, the results left there; the step waits for the device once, at its decision
-  (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).
-- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time (the
-  reference, and the path of CLASSED payloads and of chains from a base).
+  (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).  Its kernels prove
+  themselves on the device when the walker is made, before anything is written; where they fail,
+  the follower takes torch.
+- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time
+  (`torch_path`: the reference, and the path of CLASSED payloads and of chains from a base).
 
 Whatever the backend, a step is written before it is checked and taken back if any worker's check
 fails (steps add mod 2**16, so `undo` restores every bit): `apply` walks every payload, settles
@@ -18,6 +20,7 @@ the results on the host (the one wait), sums the workers' partial checksums in o
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +38,9 @@ from .errors import ChecksumError, FormatError
 from .group import sum_partials
 from .sparse_walk import Segments
 
-__all__ = ["ApplyBackend", "Payload", "Walker", "apply", "check", "walker"]
+__all__ = ["ApplyBackend", "Payload", "Walker", "apply", "backend_of", "check", "walker"]
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
@@ -119,7 +124,9 @@ class Walker(Protocol):
 
 def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
     """The walker of `backend` (None: `ApplyBackend.default`) on `device`; None for torch.
-    Raises `ValueError` where the backend cannot run."""
+    Raises `ValueError` where the backend cannot run.  The device walk first proves its kernels on
+    `device` (`device_walk.prove`): where they raise or disagree with torch's decoder, one warning
+    says what failed, and the follower writes with torch (None) for its life."""
     backend = backend or ApplyBackend.default(device)
     if backend == ApplyBackend.TORCH:
         return None
@@ -133,7 +140,24 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
         raise ValueError("the device walk runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)")
     if device.type == "cuda" and device.index is None:  # a table's parameters are on one device, by index
         device = torch.device("cuda", torch.cuda.current_device())
+    failed = device_walk.prove(device)
+    if failed is not None:
+        log.warning(
+            "lightning_delta: the device walk's Triton kernels failed their proof on %s (%s): this follower writes "
+            "every step with torch instead (ApplyBackend.TORCH, exact, slower); please report it with your GPU, "
+            "torch and triton versions",
+            device,
+            failed,
+        )
+        return None
     return DeviceWalker(device)
+
+
+def backend_of(walker: Walker | None) -> ApplyBackend:
+    """The backend a walker made by `walker` is (None: torch)."""
+    if walker is None:
+        return ApplyBackend.TORCH
+    return ApplyBackend.DEVICE if isinstance(walker, DeviceWalker) else ApplyBackend.CPU_WALK
 
 
 def check(walker: Walker, payloads: Sequence[Payload], targets: Callable[[Name], Tensor]) -> list[int]:
@@ -233,24 +257,24 @@ class _CpuWalk:
 class DeviceWalker:
     """`ApplyBackend.DEVICE`: a payload's walk leaves its status and partial sums on the device;
     `settle` reads every walk's at once.  Each payload's segment table is copied to the device
-    once, and again only when the engine re-registers a parameter it names (a table holds
-    their addresses)."""
+    once, and again only when a parameter it names no longer lies where it did (the engine
+    re-registered it: a table holds addresses and sizes, not the tensors, so a replaced
+    parameter is freed)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._tables: dict[tuple[int, int], tuple[tuple[int, ...], device_walk.DeviceTable]] = {}
+        self._tables: dict[tuple[int, int], device_walk.DeviceTable] = {}
 
     def takes(self, names: Sequence[Name]) -> bool:
         # a refused tensor's kept copy is host memory: on a GPU its payload is decoded by torch
         return self.device.type == "cpu" or all(isinstance(n, str) for n in names)
 
     def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
-        addresses = tuple(t.data_ptr() for t in targets)
-        cached = self._tables.get(payload.key)
-        if cached is None or cached[0] != addresses:
-            cached = addresses, device_walk.DeviceTable(payload.segments, targets, self.device)
-            self._tables[payload.key] = cached
-        return device_walk.DeviceWalk(payload.parse(), cached[1])
+        table = self._tables.get(payload.key)
+        if table is None or table.places != device_walk.places(targets):
+            table = device_walk.DeviceTable(payload.segments, targets, self.device)
+            self._tables[payload.key] = table
+        return device_walk.DeviceWalk(payload.parse(), table)
 
     def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
         if not moved:

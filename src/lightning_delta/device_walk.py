@@ -31,14 +31,16 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from . import codec
+from .checksum import checksum_at
 from .errors import FormatError
 from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
 
-__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide"]
+__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide", "places", "prove"]
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 """Whether device walks can run here (triton importable; on the CPU only under TRITON_INTERPRET=1)."""
@@ -59,13 +61,17 @@ _MASK64 = (1 << 64) - 1
 
 class DeviceTable:
     """A segment table on the device, each row with the address of the parameter it names (flat
-    int16 tensors on one device, kept alive here): built once per plan, read by every step's walks."""
+    int16 tensors on one device): built once per plan, read by every step's walks.  It holds no
+    parameter, only where each lies (`places`): a walk's caller checks that its targets still lie
+    there and keeps them alive while the walk's launches run (an engine holds its parameters)."""
 
     def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
             raise ValueError(f"parameters are contiguous flat int16 tensors on {device}")
         segments.check_fits([p.numel() for p in params])
-        self.n, self.device, self.params = segments.n, device, params
+        self.n, self.device = segments.n, device
+        self.places = places(params)
+        """Each parameter's (address, elements): what the rows were built for."""
         rows = [[*row, params[row[2]].data_ptr()] for row in segments.calls[:-1]]
         rows.append([self.n, self.n, -1, *[0] * (_WIDTH - 3)])  # past every position: the search's sentinel
         self.names = [row[2] for row in rows]
@@ -156,6 +162,11 @@ class DeviceWalk:
         )
 
 
+def places(params: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
+    """Where each of `params` lies: (address, elements), which a `DeviceTable` is built for."""
+    return tuple((p.data_ptr(), p.numel()) for p in params)
+
+
 def _on_device(sections: Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
     """A payload's sections on `device`: on a GPU, staged in one pinned buffer and copied in one
     transfer that does not wait for the device (a copy from pageable memory would)."""
@@ -175,6 +186,67 @@ def decide(result: Sequence[int]) -> int:
     if status != Status.OK:
         raise FormatError(MESSAGES[Status(status)] if status in set(Status) else "tensor payloads refused")
     return (new - old) & _MASK64
+
+
+_PROOF_ROWS, _PROOF_COLUMNS = 256, 128
+"""The proof's synthetic payload: a run of 4096 positions, then a 256 x 128 tensor of which the
+worker holds a block of rows 8-23 and columns 32-95, as a tensor-parallel worker does; its high
+bits span several of a GPU's blocks, so that ranks carry from block to block."""
+
+
+def prove(device: torch.device) -> str | None:
+    """Run the kernels once on `device` over a small synthetic step (a run and a 2-D block, changes
+    of every kind: unit, planar, both signs, the widest) and compare them bit for bit with torch's
+    decoder: the values written, the partial sums, and the undo.  None where they agree; else what
+    failed (a compile, a launch, a device the kernels do not support, a wrong value), for the
+    caller to fall back to torch before anything of the engine's is written."""
+    try:
+        return _proof(device)
+    except Exception as err:  # whatever it is, the kernels are not to be trusted here
+        return f"the kernels raised {type(err).__name__}: {str(err)[:300]}"
+
+
+def _proof(device: torch.device) -> str | None:
+    g = torch.Generator().manual_seed(36)
+    run, n = 4096, 4096 + _PROOF_ROWS * _PROOF_COLUMNS
+    old = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16)
+    index = torch.randperm(n, generator=g)[: n // 20].sort().values
+    step = torch.randint(1, 5, (index.numel(),), generator=g, dtype=torch.int16)
+    step[::7] = torch.randint(1, 32768, step[::7].shape, generator=g, dtype=torch.int16)
+    step[::3] = -step[::3]
+    step[:2] = torch.tensor([32767, -32768], dtype=torch.int16)  # the widest steps either way
+    new = old.clone()
+    new.index_add_(0, index, step)  # int16 wraps, as a step does
+    options = codec.CodecOptions(compressor=codec.Compressor.NONE, context=codec.Context.NONE)
+    payload = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16), options)
+    packed = codec.parse(payload, n)
+    steps = codec.decode_steps(payload, numel=n, dtype=torch.bfloat16, device=torch.device("cpu"), exponents=None)
+    assert packed.mode == codec.Mode.SPARSE and steps.index is not None and steps.step is not None
+    torch_path = old.clone()
+    torch_path.index_add_(0, steps.index, steps.step)
+    # the table: positions [0, run) as a run of `params[0]`, and rows 8-23, columns 32-95 of the
+    # tensor after it as a block in `params[1]` (a 16 x 64 slice, as a tensor-parallel worker holds)
+    columns = _PROOF_COLUMNS
+    block = (slice(8, 24), slice(32, 96))
+    rows = [
+        [0, run, 0, 0, *[0] * 7, 1],
+        [run + 8 * columns, run + 24 * columns, 1, 0, 8 * columns, columns, 8, 16, 32, 64, 64, 1],
+    ]
+    held = torch.cat([torch.arange(run), torch.arange(run, n).view(-1, columns)[block].reshape(-1)])
+    moved = (checksum_at(torch_path[held], held) - checksum_at(old[held], held)) & _MASK64
+    before = [old[:run], old[run:].view(-1, columns)[block].reshape(-1)]
+    after = [torch_path[:run], torch_path[run:].view(-1, columns)[block].reshape(-1)]
+    params = [t.clone().to(device) for t in before]
+    walk = DeviceWalk(packed, DeviceTable(Segments(np.array(rows, dtype=np.int64), n), params, device))
+    result = walk.apply().tolist()
+    if result[0] != Status.OK or decide(result) != moved:
+        return f"the kernels' status and partial sums {result} differ from torch's (status 0, a move of {moved})"
+    if not all(torch.equal(p.cpu(), e) for p, e in zip(params, after, strict=True)):
+        return "the kernels wrote other values than torch's decoder"
+    walk.undo()
+    if not all(torch.equal(p.cpu(), e) for p, e in zip(params, before, strict=True)):
+        return "the kernels' undo did not restore every bit"
+    return None
 
 
 @functools.cache

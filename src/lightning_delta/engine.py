@@ -3,17 +3,14 @@
 The engine's parameters are the held state, read and written through a `ViewMap`; the tensors the
 map refuses are kept as copies here and handed to the engine's own `reload` whenever one of them
 changes.  A tensor-parallel worker holds only slices, so a step is decoded into what it does
-(changed positions and 16-bit steps, `codec.decode_steps`: no old value is needed, except the
-exponents of a CLASSED payload, which the workers assemble with one all-reduce of a byte per
-element, after an exchange that carries any worker's failure, so that none waits in it alone),
-verified by the checksums' partial sums over the changes each worker owns, all-reduced over the
-group before anything is written, and then every worker writes `old + step` at the positions it
-holds.  SPARSE payloads from the state held are instead walked (`apply`: `sparse_walk` on the CPU,
-`device_walk`'s Triton kernels on a GPU), one step after another for a follower that is late:
-decoded, checked and written in one pass over the engine's memory, not two, their partial sums
-summed over the group once every payload is walked, and every walk taken back exactly, in
-reverse (steps add mod 2**16), if any worker's check fails, so a failed update still leaves
-nothing written.  The
+(`torch_path`: changed positions and 16-bit steps, a chunk at a time), verified by the checksums'
+partial sums over the changes each worker owns, summed over the group before anything is
+written, and then every worker writes `old + step` at the positions it holds.  SPARSE payloads
+from the state held are instead walked (`apply`: `sparse_walk` on the CPU, `device_walk`'s Triton
+kernels on a GPU), one step after another for a follower that is late: decoded, checked and
+written in one pass over the engine's memory, not two, their partial sums summed over the group
+once every payload is walked, and every walk taken back exactly, in reverse (steps add mod
+2**16), if any worker's check fails, so a failed update still leaves nothing written.  The
 workers share one download: each fetches the parts of a share of the trainer ranks, checks them
 against their markers, and sends the others the blobs, or the error it met, which every worker
 then raises: each blob is hashed once in the group, by the worker that read it.
@@ -30,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,14 +42,14 @@ from . import codec, plan, sparse_walk, whole_walk
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
-from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChainError, ChecksumError, DeltaError, ModelMismatchError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
-from .patch import LoadReport, PayloadView, RankState, views
+from .patch import LoadReport, RankState, views
 from .reader import ChainReader
 from .replica import exchange, exchange_bytes
 from .store import Store
-from .viewmap import Box, ViewMap
+from .torch_path import Agreed, PayloadPatch, TorchPath, flat_bits
+from .viewmap import ViewMap
 
 __all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
 
@@ -60,15 +57,6 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
-_CHUNK = 1 << 14
-"""The fewest changes decoded, checked and written at a time by a follower in sync: its memory
-beyond the engine is bounded by a chunk (100-300 bytes a change while one is decoded), whatever
-the tensor."""
-_CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
-"""More changes a chunk where the worker holds more elements, as each chunk has a fixed cost,
-larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
-0.035x-0.062x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
-(scripts/gpu_check.py)."""
 
 
 class PrefetchTimeoutError(DeltaError, TimeoutError):
@@ -76,33 +64,9 @@ class PrefetchTimeoutError(DeltaError, TimeoutError):
     the group again."""
 
 
-class _Agreed(Exception):
-    """The group's decision on a failure, reached in an exchange inside a decode (`error`, raised
-    on every worker): the outcome exchange that follows it elsewhere is skipped, for a worker that
-    failed before the decode has left it already."""
-
-    def __init__(self, error: DeltaError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class _HeldDiffers(ChainError):
     """The workers of a group hold different steps (every one of them raises it): each fetches
     the step again from its base."""
-
-
-@dataclass
-class _Payload:
-    """One payload at the target step, relative to the held state: `step` added at ascending
-    positions `index`, or (`whole`) every element."""
-
-    index: Tensor | None = None
-    step: Tensor | None = None
-    whole: Tensor | None = None
-
-    @property
-    def changed(self) -> int:
-        return self.whole.numel() if self.whole is not None else (self.index.numel() if self.index is not None else 0)
 
 
 @dataclass
@@ -177,11 +141,10 @@ class EngineFollower:
             mine = err
         described = self._gather_json(mine)
         self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
-        held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes)
-        held += sum(t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
-        per_element = _CHUNK_PER_ELEMENT if self.device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
-        self._chunk = max(_CHUNK, int(held * per_element))
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
+        self._torch = TorchPath(
+            store.url, run, self._views, view_map, self._owned, self._kept, self.rank, self.group, self.device
+        )
         self._segments = plan.segment_tables(
             self._views, self._names, self._shapes, view_map, self._owned, self.rank, self._walker, self.group
         )
@@ -190,7 +153,6 @@ class EngineFollower:
             whole_walk.compile()
         self._held: list[RankState] | None = None
         self._generation = 0
-        self._warned_classed = False
         self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
         self._ready: EngineStep | None = None  # what a stopped prefetcher prepared
         self.stop_seconds = stop_seconds
@@ -203,6 +165,12 @@ class EngineFollower:
         mapped = [n for n in self._names if n in self.map.boxes]
         refused = [n for n in self._names if n not in self.map.boxes]
         return (len(mapped), sum(sizes[n] for n in mapped)), (len(refused), sum(sizes[n] for n in refused))
+
+    @property
+    def walks_with(self) -> ApplyBackend:
+        """What writes this worker's SPARSE payloads in sync: `ApplyBackend.TORCH` too where the
+        device walk's kernels failed their proof (`apply.walker`)."""
+        return walks.backend_of(self._walker)
 
     @property
     def held_step(self) -> int | None:
@@ -306,7 +274,7 @@ class EngineFollower:
                             changed += self._views[rank][i].numel
                             continue
                     local = True
-                    for patch in self._patches(rank, i, parts, state, params, partials, expected):
+                    for patch in self._torch.patches(rank, i, parts, state, params, partials, expected):
                         changed += patch.changed
                 if parts:
                     state = RankState(parts[-1].header, parts[-1].probe, tuple(e.checksum for e in parts[-1].entries))
@@ -370,201 +338,6 @@ class EngineFollower:
         base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
         return chains, sum(len(fetched[r][0]) for r in ours), base_step
 
-    def _patches(
-        self,
-        rank: int,
-        i: int,
-        parts: tuple[fmt.Part, ...],
-        held: RankState | None,
-        params: Mapping[str, Tensor],
-        partials: list[int] | None = None,
-        expected: list[tuple[int, int, int, int]] | None = None,
-    ) -> Iterator[_Payload]:
-        """Payload `i` of `rank` at the end of its chain, as patches of the held state, each part's
-        payload decoded and verified in turn: a whole payload by its own checksum, a change by the
-        partial sums over the changes this worker owns, which go into `partials` with what the
-        group's sums must reach in `expected` (nothing is checked without them).  A step from the
-        state held (a follower in sync) comes a chunk of changes at a time, so its cost is bounded
-        by the chunk; a longer chain is composed into one patch first."""
-        view = self._views[rank][i]
-        if len(parts) == 1 and held is not None:
-            yield from self._chunks(view, rank, i, parts[0], held.checksums[i], params, partials, expected)
-            return
-        patch, value = _Payload(), held.checksums[i] if held is not None else 0
-        for part in parts:
-            entry, data = part.entries[i], part.payloads[i]
-            steps = codec.decode_steps(
-                data,
-                numel=view.numel,
-                dtype=view.dtype,
-                device=self.device,
-                exponents=functools.partial(self._exponents, view, patch, params),
-            )
-            where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
-            if steps.whole is not None:
-                bits = steps.whole.view(torch.int16)
-                patch = _Payload(whole=bits)
-                if partials is not None and checksum(bits) != entry.checksum:
-                    raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
-            else:
-                assert steps.index is not None and steps.step is not None
-                if steps.index.numel() != entry.changed:
-                    raise fmt.FormatError(
-                        f"{where} changes {steps.index.numel()} elements, its header says {entry.changed}"
-                    )
-                if patch.whole is not None:  # on top of a staged whole payload: every worker checks it
-                    old = patch.whole.index_select(0, steps.index)
-                    new = old + steps.step
-                    moved = checksum_update(value, steps.index, old, new)
-                    if partials is not None and moved != entry.checksum:
-                        raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
-                    patch.whole.index_copy_(0, steps.index, new)
-                else:
-                    if partials is not None and expected is not None:
-                        partials.append(self._partial(view, patch, steps.index, steps.step, params))
-                        expected.append((rank, i, part.header.step, (entry.checksum - value) & _MASK64))
-                    patch = _compose(patch, steps.index, steps.step)
-            value = entry.checksum
-        yield patch
-
-    def _chunks(
-        self,
-        view: PayloadView,
-        rank: int,
-        i: int,
-        part: fmt.Part,
-        value: int,
-        params: Mapping[str, Tensor],
-        partials: list[int] | None,
-        expected: list[tuple[int, int, int, int]] | None,
-    ) -> Iterator[_Payload]:
-        """One part's payload over the held state whose checksum is `value`, in chunks."""
-        entry, where = part.entries[i], f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
-        moved, count = 0, 0
-        for steps in codec.iter_steps(
-            part.payloads[i],
-            numel=view.numel,
-            dtype=view.dtype,
-            device=self.device,
-            exponents=functools.partial(self._exponents, view, _Payload(), params),
-            chunk=self._chunk,
-        ):
-            if steps.whole is not None:  # a payload most of which changed, shipped whole
-                bits = steps.whole.view(torch.int16)
-                if partials is not None and checksum(bits) != entry.checksum:
-                    raise ChecksumError(f"{where} does not reproduce the trainer's checksum")
-                yield _Payload(whole=bits)
-                return
-            assert steps.index is not None and steps.step is not None
-            count += steps.index.numel()
-            if partials is not None:
-                moved += self._partial(view, _Payload(), steps.index, steps.step, params)
-            yield _Payload(steps.index, steps.step)
-        if count != entry.changed:
-            raise fmt.FormatError(f"{where} changes {count} elements, its header says {entry.changed}")
-        if partials is not None and expected is not None:
-            partials.append(moved & _MASK64)
-            expected.append((rank, i, part.header.step, (entry.checksum - value) & _MASK64))
-
-    # ------------------------------------------------------------------ reading the held state
-
-    def _held_pieces(
-        self, view: PayloadView, index: Tensor, params: Mapping[str, Tensor], owned_only: bool
-    ) -> Iterator[tuple[slice | Tensor, Tensor]]:
-        """Of the ascending payload positions `index`, piece by piece, those this worker holds (or
-        owns): which they are (a slice of `index`, or their places in it) and their held bits."""
-        for s, _, positions, where in view.pieces(index):
-            for held, bits in self._tensor_bits(s.tensor, positions, params, owned_only):
-                if isinstance(held, slice):
-                    yield slice(where.start + held.start, where.start + held.stop), bits
-                else:
-                    yield codec.positions_of(held) + where.start, bits
-
-    def _tensor_bits(
-        self, tensor: int, positions: Tensor, params: Mapping[str, Tensor], owned_only: bool
-    ) -> list[tuple[slice | Tensor, Tensor]]:
-        """For ascending flat positions of checkpoint tensor `tensor`, per box: those it holds (a
-        slice or a mask of `positions`) and their bits."""
-        name = self._names[tensor]
-        if name not in self.map.boxes:
-            if owned_only and self.rank != 0:  # the kept copies are the same on every worker: rank 0 counts
-                return []
-            if tensor not in self._kept:
-                raise SnapshotNotFoundError(f"{name} is not held yet")
-            bits = self._kept[tensor].index_select(0, positions.cpu()).to(positions.device)
-            return [(slice(0, positions.numel()), bits)]
-        out: list[tuple[slice | Tensor, Tensor]] = []
-        for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
-            if owned_only and not owned:
-                continue
-            held, target = box.locate(positions, self._shapes[tensor])
-            flat = _flat(params[box.param])
-            out.append((held, flat.index_select(0, target.to(flat.device)).to(positions.device)))
-        return out
-
-    def _partial(
-        self, view: PayloadView, patch: _Payload, index: Tensor, step: Tensor, params: Mapping[str, Tensor]
-    ) -> int:
-        """This worker's share of how the checksum moves when `step` is added at `index` to the held
-        state with `patch` applied: over the changed positions it owns."""
-        total = 0
-        for held, old in self._held_pieces(view, index, params, owned_only=True):
-            at = index[held]
-            if patch.index is not None:
-                old = old + _overlay(patch, at)
-            total += checksum_update(0, at, old, old + step[held])
-        return total & _MASK64
-
-    def _exponents(self, view: PayloadView, patch: _Payload, params: Mapping[str, Tensor]) -> Tensor:
-        """The exponent bytes of the whole payload in the held state with `patch` applied: each
-        worker fills in what it holds, and the group takes the maximum (the rest are zeros)."""
-        if patch.whole is not None:
-            return codec.exponent_bytes(patch.whole.view(view.dtype))
-        if self.group is not None and not self._warned_classed:
-            self._warned_classed = True
-            log.warning(
-                "%s: a payload is coded with the exponent context (CLASSED): every step, each worker gathers the "
-                "exponent bytes of the whole tensor, work in the size of the tensor, not of the change; publish "
-                "for tensor-parallel engines with CodecOptions(context=Context.NONE) (Hydra: delta.codec.context=NONE)",
-                self.store.url,
-            )
-        where = torch.device("cpu") if self.group is not None else self.device  # a gloo group reduces on the CPU
-        out, failure = torch.empty(0), None
-        try:
-            out = torch.zeros(view.numel, dtype=torch.uint8, device=where)
-            for s, offset in zip(view.slices, view.offsets, strict=False):
-                name = self._names[s.tensor]
-                if name not in self.map.boxes:
-                    if s.tensor in self._kept:
-                        kept = self._kept[s.tensor][s.start : s.start + s.numel]
-                        out[offset : offset + s.numel] = codec.exponent_bytes(kept.view(view.dtype)).to(where)
-                    continue
-                for box in self.map.boxes[name]:
-                    flat = _flat(params[box.param])
-                    for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
-                        bits = flat[_on(target, flat.device)]
-                        out[_on(_shift(source, offset), where)] = codec.exponent_bytes(bits.view(view.dtype)).to(where)
-            if patch.index is not None and patch.index.numel():
-                for held, old in self._held_pieces(view, patch.index, params, owned_only=False):
-                    at = patch.index[held]
-                    new = old + _overlay(patch, at)
-                    out[at.to(where)] = codec.exponent_bytes(new.view(view.dtype)).to(where)
-        except Exception as err:
-            failure = err
-        if self.group is None:
-            if failure is not None:
-                raise failure
-            return out
-        # An exchange first, the one every outcome of the group travels in: a worker that failed
-        # before this decode is in its outcome exchange, which pairs with this one, and every
-        # worker raises its error here; past it, every worker takes the all-reduce.
-        try:
-            exchange_bytes(failure or b"", self.group, torch.device("cpu"))
-        except DeltaError as err:
-            raise _Agreed(err) from err
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
-        return out.to(self.device)
-
     # ------------------------------------------------------------------ write
 
     def write(self, prepared: EngineStep, check: bool = False) -> float:
@@ -592,11 +365,11 @@ class EngineFollower:
                 for i, view in enumerate(self._views[rank]):
                     if (rank, i) in prepared.walked or (rank, i) in prepared.whole:
                         continue
-                    for patch in self._patches(rank, i, parts, held, params):
+                    for patch in self._torch.patches(rank, i, parts, held, params):
                         if patch.whole is None and (patch.index is None or not patch.index.numel()):
                             continue
                         for s, offset in zip(view.slices, view.offsets, strict=False):
-                            reload |= self._write_slice(s, offset, patch, params)
+                            reload |= self._torch.write_slice(s, offset, patch, params)
             if reload:
                 if self._reload is None:
                     raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
@@ -604,7 +377,7 @@ class EngineFollower:
         except Exception as err:
             failure = err
         try:
-            if isinstance(failure, _Agreed):  # the group decided in a decode's exchange: no other exchange
+            if isinstance(failure, Agreed):  # the group decided in a decode's exchange: no other exchange
                 raise failure.error
             if self.group is not None:
                 exchange_bytes(failure or b"", self.group, torch.device("cpu"))
@@ -638,11 +411,11 @@ class EngineFollower:
                     if (rank, i) in prepared.walked:
                         continue  # checked as it is written
                     moved, whole = 0, False
-                    for patch in self._patches(rank, i, parts, held, params):
+                    for patch in self._torch.patches(rank, i, parts, held, params):
                         if patch.index is None or patch.step is None:
                             whole = True
                             continue
-                        moved += self._partial(view, _Payload(), patch.index, patch.step, params)
+                        moved += self._torch.partial(view, PayloadPatch(), patch.index, patch.step, params)
                     if not whole:
                         partials.append(moved & _MASK64)
                         expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
@@ -673,39 +446,6 @@ class EngineFollower:
             log.warning("%s; re-syncing step %d from its base", err, prepared.step)
         prepared = self._prepare_step(prepared.step, verify=False)  # no step held: the write checks it
         return prepared, False, self.write(prepared)
-
-    def _write_slice(self, s: fmt.SliceSpec, offset: int, patch: _Payload, params: Mapping[str, Tensor]) -> bool:
-        """Write one slice of a payload's patch; True if it went into the kept copies."""
-        name = self._names[s.tensor]
-        if patch.whole is not None:
-            values = patch.whole[offset : offset + s.numel]
-            if name not in self.map.boxes:
-                numel = self.run.manifest.tensors[s.tensor].numel
-                kept = self._kept.setdefault(s.tensor, torch.zeros(numel, dtype=torch.int16))
-                kept[s.start : s.start + s.numel] = values.cpu()
-                return True
-            for box in self.map.boxes[name]:
-                flat = _flat(params[box.param])
-                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
-                    flat[_on(target, flat.device)] = values[_on(source, values.device)].to(flat.device)
-            return False
-        assert patch.index is not None and patch.step is not None
-        bounds = torch.tensor([offset, offset + s.numel], device=patch.index.device)
-        lo, hi = torch.searchsorted(patch.index, bounds).tolist()
-        if lo == hi:
-            return False
-        positions = patch.index[lo:hi] - offset + s.start
-        steps = patch.step[lo:hi]
-        if name not in self.map.boxes:
-            kept, positions = self._kept[s.tensor], positions.cpu()
-            kept.index_add_(0, positions, steps.cpu())  # int16 adds wrap: mod 2**16, as a step is
-            return True
-        for box in self.map.boxes[name]:
-            held, target = box.locate(positions, self._shapes[s.tensor])
-            flat = _flat(params[box.param])
-            target = target.to(flat.device)
-            flat.index_add_(0, target, steps[held].to(flat.device))
-        return False
 
     def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
         """Walk every walkable payload of a step in sync into the engine (`apply`): checked as they
@@ -878,7 +618,7 @@ class EngineFollower:
             params = self._params()
             for rank, state in enumerate(held):
                 for i, view in enumerate(self._views[rank]):
-                    partials.append(self._owned_sum(view, params))
+                    partials.append(self._torch.owned_sum(view, params))
                     expected.append((rank, i, state.header.step, state.checksums[i]))
         except Exception as err:
             failure = err
@@ -888,26 +628,6 @@ class EngineFollower:
                     f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
                     f"{step}: they were changed behind the follower's back; the next step is written whole"
                 )
-
-    def _owned_sum(self, view: PayloadView, params: Mapping[str, Tensor]) -> int:
-        total = 0
-        for s, offset in zip(view.slices, view.offsets, strict=False):
-            name = self._names[s.tensor]
-            if name not in self.map.boxes:
-                if self.rank == 0 and s.tensor in self._kept:
-                    total += checksum(self._kept[s.tensor][s.start : s.start + s.numel], offset)
-                continue
-            for box, owned in zip(self.map.boxes[name], self._owned[name], strict=True):
-                if not owned:
-                    continue
-                flat = _flat(params[box.param])
-                for source, target in _runs(box, self._shapes[s.tensor], s.start, s.numel):
-                    bits = flat[_on(target, flat.device)]
-                    if isinstance(source, slice):
-                        total += checksum(bits, offset + source.start)
-                    else:
-                        total += checksum_at(bits, (source + offset).to(flat.device))
-        return total & _MASK64
 
     # ------------------------------------------------------------------ prefetch
 
@@ -1002,7 +722,7 @@ class EngineFollower:
     def _sum(self, partials: list[int], failure: Exception | None = None) -> list[int]:
         """The group's sums of each partial checksum, mod 2**64; or, on every worker, the error
         `failure` of any worker that could not compute its partials."""
-        if isinstance(failure, _Agreed):  # the group decided in a decode's exchange: no other exchange
+        if isinstance(failure, Agreed):  # the group decided in a decode's exchange: no other exchange
             raise failure.error
         return decisions.sum_partials(self.group, partials, failure)
 
@@ -1013,55 +733,6 @@ class EngineFollower:
 def _threads() -> int:
     """Payloads walked whole at once: the cores this process may run on (the walk and zstd release the GIL)."""
     return len(os.sched_getaffinity(0))
-
-
-def _overlay(patch: _Payload, at: Tensor) -> Tensor:
-    """The steps `patch` adds at payload positions `at` (zero where it adds none)."""
-    assert patch.index is not None and patch.step is not None
-    if not patch.index.numel():
-        return torch.zeros_like(at, dtype=torch.int16)
-    where = torch.searchsorted(patch.index, at).clamp_(max=patch.index.numel() - 1)
-    hit = patch.index.index_select(0, where) == at
-    return torch.where(hit, patch.step.index_select(0, where), 0).to(torch.int16)
-
-
-def _compose(patch: _Payload, index: Tensor, step: Tensor) -> _Payload:
-    """`patch`, then `step` added at `index`, as one additive patch."""
-    if patch.index is None or patch.step is None:
-        return _Payload(index, step)
-    union, inverse = torch.unique(torch.cat([patch.index, index]), sorted=True, return_inverse=True)
-    total = torch.zeros(union.numel(), dtype=torch.int16, device=index.device)
-    total.index_add_(0, inverse[: patch.index.numel()], patch.step)
-    total.index_add_(0, inverse[patch.index.numel() :], step)  # int16 wraps: steps add mod 2**16
-    return _Payload(union, total)
-
-
-def _runs(box: Box, shape: Sequence[int], start: int, numel: int) -> Iterator[tuple[slice | Tensor, slice | Tensor]]:
-    """The elements of flat checkpoint positions [start, start + numel) that `box` holds, in
-    chunks: (their places in that range, their flat positions in the parameter), as one pair of
-    slices where the box is one run of the checkpoint tensor."""
-    first = box.run_start(shape)
-    if first is not None:
-        lo, hi = max(first, start), min(first + box.numel, start + numel)
-        if hi > lo:
-            yield slice(lo - start, hi - start), slice(box.offset + lo - first, box.offset + hi - first)
-        return
-    for source, target in box.positions(shape):
-        inside = (source >= start) & (source < start + numel)
-        if bool(inside.any()):
-            yield source[inside] - start, target[inside]
-
-
-def _on(where: slice | Tensor, device: torch.device) -> slice | Tensor:
-    return where if isinstance(where, slice) else where.to(device)
-
-
-def _shift(where: slice | Tensor, by: int) -> slice | Tensor:
-    return slice(where.start + by, where.stop + by) if isinstance(where, slice) else where + by
-
-
-def _flat(tensor: Tensor) -> Tensor:
-    return tensor.detach().view(-1).view(torch.int16)
 
 
 def _host(tensor: Tensor, name: str) -> np.ndarray:
@@ -1076,7 +747,7 @@ def _held(tensor: Tensor, name: str) -> Tensor:
         raise ModelMismatchError(
             f"{name} is on the meta device (the engine's reload did not finish): restart the engine"
         )
-    return _flat(tensor)
+    return flat_bits(tensor)
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:

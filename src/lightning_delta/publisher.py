@@ -14,18 +14,17 @@ against its previous part, committed before the base, so followers in sync never
 
 Each rank's parts form their own chain (each delta names the same rank's previous part), so a
 rank never waits for another: not to publish, and not to skip a step when its uploads fall behind.
+The ranks agree on the run once, when the publisher is made (`claim`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -39,11 +38,11 @@ from torch import Tensor, nn
 from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_update
-from .errors import DeltaError, PublishError, UnsupportedStrategyError
+from .claim import RankLayout, claim
+from .errors import PublishError, UnsupportedStrategyError
 from .format import DType
 from .merged import MergedTensors, is_peft_model, merged_tensors
 from .records import enum_member
-from .replica import exchange_bytes, group_device
 from .retention import collect
 from .shards import OwnedSlice, check_readable, named_tensors, plan, read_slice
 from .signing import SigningKey
@@ -276,7 +275,7 @@ class DeltaPublisher:
             process_group = dist.group.WORLD
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        layout: _RankLayout | BaseException
+        layout: RankLayout | BaseException
         self._key: SigningKey | None = None
         try:
             if settings.signing_key is not None:
@@ -286,7 +285,7 @@ class DeltaPublisher:
             layout = [[(s.name, tuple(s.shape), s.start, s.numel) for s in group] for group in self._specs]
         except (UnsupportedStrategyError, ValueError) as err:
             layout = err
-        self.run_id, self._manifest = _claim(
+        self.run_id, self._manifest = claim(
             self.store, run_id, layout, settings.dtype, self.rank, process_group, self._key
         )
         self._shapes = {s.name: s.shape for group in self._specs for s in group}
@@ -647,115 +646,3 @@ def _described(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     """Tensors with the names, shapes, devices and placements of `tensors`, read at no cost: a
     PEFT policy's base weights stand for its merged ones, which cost a merge each to read."""
     return tensors.unmerged() if isinstance(tensors, MergedTensors) else tensors
-
-
-_RankLayout = list[list[tuple[str, tuple[int, ...], int, int]]]  # payloads of (name, shape, start, numel)
-
-
-def _manifest(run_id: str, layouts: list[_RankLayout], dtype: str) -> fmt.RunManifest:
-    """The run manifest of every rank's layout; ValueError if the ranks disagree on a tensor."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for layout in layouts:
-        for name, shape, _, _ in (s for payload in layout for s in payload):
-            if shapes.setdefault(name, shape) != shape:
-                raise ValueError(f"ranks disagree on the shape of {name}: {shapes[name]} and {shape}")
-    names = sorted(shapes)
-    index = {name: i for i, name in enumerate(names)}
-    return fmt.RunManifest(
-        run_id=run_id,
-        world_size=len(layouts),
-        created=time.time(),
-        tensors=tuple(fmt.TensorSpec(n, dtype, shapes[n]) for n in names),
-        ranks=tuple(
-            tuple(tuple(fmt.SliceSpec(index[n], start, numel) for n, _, start, numel in p) for p in layout)
-            for layout in layouts
-        ),
-    )
-
-
-def _claim(
-    store: Store,
-    run_id: str | None,
-    layout: _RankLayout | BaseException,
-    dtype: DType,
-    rank: int,
-    group: dist.ProcessGroup | None,
-    key: SigningKey | None,
-) -> tuple[str, str]:
-    """(run id, manifest SHA-256) all ranks publish under, once rank 0 made the prefix this run's.
-
-    Every rank's layout (or the error it met reading its tensors) reaches rank 0, which creates the
-    run manifest exclusively (a fresh run), or finds it naming `run_id` with the same layout (a
-    resumed one).  Its outcome reaches every rank, an error as the same `DeltaError` on all of
-    them: no rank is left waiting in a collective.  Two collectives, at construction only.
-    """
-    collective = group is not None and dist.get_world_size(group) > 1
-    device = group_device(group, _training_device()) if group is not None and collective else torch.device("cpu")
-    mine = layout if isinstance(layout, BaseException) else json.dumps(layout).encode()
-    if collective:
-        assert group is not None
-        gathered = exchange_bytes(mine, group, device)  # every rank raises if any rank's layout failed
-    elif isinstance(mine, BaseException):
-        raise mine
-    else:
-        gathered = [mine]
-    outcome: bytes | BaseException = b""
-    if rank == 0:
-        try:
-            layouts = [
-                [[(name, tuple(shape), start, numel) for name, shape, start, numel in payload] for payload in layout]
-                for layout in map(json.loads, gathered)
-            ]
-            outcome = " ".join(_make_run(store, run_id, layouts, dtype, key)).encode()
-        except Exception as err:  # a store that cannot be written, a layout that does not fit
-            outcome = err if isinstance(err, DeltaError) else PublishError(f"claiming {store.url} failed: {err}")
-    if collective:
-        assert group is not None
-        outcome = exchange_bytes(outcome, group, device)[0]
-    elif isinstance(outcome, BaseException):
-        raise outcome
-    assert isinstance(outcome, bytes)
-    wanted, digest = outcome.decode().split(" ")
-    return wanted, digest
-
-
-def _make_run(
-    store: Store, run_id: str | None, layouts: list[_RankLayout], dtype: DType, key: SigningKey | None
-) -> tuple[str, str]:
-    """Rank 0's half of `_claim`: the run's id and manifest digest, or a `PublishError` naming why
-    this model cannot publish to this prefix."""
-    wanted = run_id if run_id is not None else uuid.uuid4().hex
-    try:
-        manifest = _manifest(wanted, layouts, dtype.value)
-        manifest.check()
-    except ValueError as err:
-        raise PublishError(f"this model cannot be published as one run: {err}") from None
-    signer = None if key is None else key.public.text
-    if key is not None:
-        manifest = replace(manifest, signer=signer)
-        manifest = replace(manifest, signature=key.sign(fmt.run_signed_bytes(manifest)))
-    found = store.claim(manifest)
-    if found.run_id != wanted:
-        raise PublishError(
-            f"{store.url} belongs to run {found.run_id}: give this run a prefix of its own, "
-            f"or pass run_id={found.run_id!r} to continue that run"
-        )
-    if found.world_size != len(layouts):
-        raise PublishError(f"run {wanted} in {store.url} has {found.world_size} ranks, this publisher {len(layouts)}")
-    if found.manifest.signer != signer:
-        said = f"signed by {found.manifest.signer}" if found.manifest.signer else "unsigned"
-        raise PublishError(
-            f"run {wanted} in {store.url} is {said}; this publisher's signing_key is "
-            f"{signer or 'not set'}: a run keeps its signer (rotate keys with a new run)"
-        )
-    if (found.manifest.tensors, found.manifest.ranks) != (manifest.tensors, manifest.ranks):
-        raise PublishError(
-            f"run {wanted} in {store.url} was published with another layout (tensor names, shapes, "
-            "dtype or sharding differ): a run has one layout; start a new run under a new prefix"
-        )
-    return wanted, found.sha256
-
-
-def _training_device() -> torch.device:
-    """The calling (training) thread's CUDA device, where an NCCL group's collectives run."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

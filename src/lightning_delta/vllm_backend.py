@@ -45,6 +45,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from . import format as fmt
+from .apply import ApplyBackend
 from .engine import EngineFollower
 from .errors import DeltaError, SnapshotNotFoundError
 from .loader import FullCheck
@@ -161,6 +162,11 @@ class DeltaInitInfo(WeightTransferInitInfo):
     probe_tolerance: float | None = None
     """Opt-in: the largest difference between the engine's log-probs of the trainer's probe batch and
     the trainer's that `check_probe` accepts (None: `check_probe` refuses to run)."""
+    apply: str | None = None
+    """What writes a step's SPARSE payloads (`apply.ApplyBackend`): cpu_walk, device or torch (None:
+    the CPU walk on the CPU; on a GPU the device walk's Triton kernels, which prove themselves on
+    the GPU first and leave the follower on torch where they fail).  torch is the way out where the
+    kernels misbehave on a GPU, or to compare."""
 
 
 @dataclass
@@ -263,13 +269,15 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             group=group,
             device=self.device,
             full_check=enum_member(FullCheck, init_info.full_check),
+            apply=None if init_info.apply is None else enum_member(ApplyBackend, init_info.apply),
         )
         (inplace, inplace_bytes), (reloaded, reloaded_bytes) = self.follower.paths()
         reasons = sorted({why.split(" (")[0] for why in view_map.refused.values()})
         log.info(
-            "lightning_delta: following %s; in place: %d tensors (%.1f MB), only their changes; through vLLM's "
-            "layerwise reload: %d tensors (%.1f MB)%s",
+            "lightning_delta: following %s, steps written by %s; in place: %d tensors (%.1f MB), only their "
+            "changes; through vLLM's layerwise reload: %d tensors (%.1f MB)%s",
             store.url,
+            self.follower.walks_with.value,
             inplace,
             inplace_bytes / 1e6,
             reloaded,
@@ -386,7 +394,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
     def status(self) -> dict[str, Any]:
         """What the engine holds, as plain values (the `lightning_delta_status` worker method): the
         step applied, the trainer's probe log-probs published with it, the probe tolerance, the
-        level of vLLM's sleep while the weights sleep, and whether a prefetcher runs."""
+        level of vLLM's sleep while the weights sleep, whether a prefetcher runs, and what writes
+        the steps (`ApplyBackend`'s value: torch where the device walk's kernels failed their proof)."""
         report = self.last_report
         return {
             "step": self.applied,
@@ -394,6 +403,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             "tolerance": self.probe_tolerance,
             "asleep": self.asleep,
             "prefetching": self.follower is not None and self.follower.prefetching,
+            "apply": self.follower.walks_with.value if self.follower is not None else None,
         }
 
     def shutdown(self) -> None:
