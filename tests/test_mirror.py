@@ -264,17 +264,19 @@ def test_a_blob_read_with_its_marker_is_read_once_and_checked_before_it_is_writt
 
 
 def test_a_cadence_waits_until_the_next_step_is_due_and_polls_once_steps_come_early_or_at_once():
-    cadence = Cadence(keep=2)
+    cadence = Cadence(keep=3)
     assert cadence.wait(0.0, 0.1) == 0.1 and not cadence.overdue(0.0)  # no rhythm yet: every poll
-    for t in (0.0, 2.0, 4.0):
+    for t in (0.0, 2.0, 4.0, 6.0):
         cadence.arrived(t)
-    assert cadence.wait(4.0, 0.1) == pytest.approx(1.9)  # due at 6.0, less one poll
-    assert cadence.wait(5.95, 0.1) == 0.1
-    assert not cadence.overdue(7.9) and cadence.overdue(8.1)
-    cadence.arrived(4.5)  # an early step: the shortest gap rules
-    assert cadence.wait(4.5, 0.1) == pytest.approx(0.4)
-    cadence.arrived(4.5)  # a backlog found at once: every poll again
-    assert cadence.wait(4.5, 0.1) == 0.1
+    assert cadence.wait(6.0, 0.1) == pytest.approx(1.9)  # due at 8.0, less one poll
+    assert cadence.wait(7.95, 0.1) == 0.1
+    assert not cadence.overdue(9.9) and cadence.overdue(10.1)
+    cadence.arrived(8.7)  # found late (it came at 8.0): the next is still due at 10.0, not 10.7
+    assert cadence.wait(8.7, 0.1) == pytest.approx(1.2)
+    cadence.arrived(9.5)  # an early step: it moves the schedule sooner (due at 11.5)
+    assert cadence.wait(9.5, 0.1) == pytest.approx(1.9)
+    cadence.arrived(9.5)  # a backlog found at once: every poll again
+    assert cadence.wait(9.5, 0.1) == 0.1
 
 
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():
