@@ -8,10 +8,11 @@ parts).  So a step is complete at the mirror only once every object of it is the
 step before it was copied: each step listed at the mirror loads.
 
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
-GETs the markers of the step it expects next (the newest mirrored plus the chain's stride, every
-rank at once), and once they are all there, the blobs they name, at once, then the step after
-that.  A step not there yet costs one small request per rank (a 404), where a listing pass costs
-three or more round trips one after another and grows with the chain.  The source is listed at
+GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
+stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
+held until the marker checks it), then looks for the step after it, unless the one it copied had
+just come.  A step not there yet costs two small requests per rank (404s), where a listing pass
+costs three or more round trips one after another and grows with the chain.  The source is listed at
 the first pass, every `list_seconds`, when the next step is overdue (it may have another number),
 after a base (the source's retention deletes then), and while the mirror is stopped at damage.
 Following, it sleeps until shortly before the next step is due (`cadence`), so a fine
