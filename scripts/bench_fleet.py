@@ -49,6 +49,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -75,6 +76,7 @@ REGIONS = (("Ohio", 0.043), ("Virginia", 0.058), ("Frankfurt", 0.145))
 """Region names and the round trip each link adds (the design's figure)."""
 MODES = ("full_sync", "delta_direct", "delta_mirror")
 FULL = "full"  # the full-checkpoint mode's prefix in its bucket
+REQUEST_LINE = re.compile(rb"(?:GET|PUT|HEAD|POST|DELETE) /\S* HTTP/1\.1\r\n")
 
 
 # --------------------------------------------------------------------------- links
@@ -103,6 +105,7 @@ class DelayProxy:
     def __init__(self, listen: str, target: tuple[str, int], rtt: float, bucket: TokenBucket | None) -> None:
         self.target, self.delay, self.bucket = target, rtt / 2, bucket
         self.counts: dict[int, int] = {}
+        self.requests: dict[int, int] = {}  # HTTP requests sent through each port (their request lines)
         self._lock = threading.Lock()
         self._listen = listen
         self._servers: list[socket.socket] = []
@@ -114,7 +117,7 @@ class DelayProxy:
         server.bind((self._listen, 0))
         server.listen(64)
         port = server.getsockname()[1]
-        self.counts[port] = 0
+        self.counts[port] = self.requests[port] = 0
         self._servers.append(server)
         threading.Thread(target=self._accept, args=(server, port), daemon=True).start()
         return port
@@ -133,10 +136,10 @@ class DelayProxy:
             upstream = socket.create_connection(self.target)
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for src, dst in ((client, upstream), (upstream, client)):
+            for src, dst, asks in ((client, upstream, True), (upstream, client, False)):
                 chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
                 threading.Thread(target=self._read, args=(src, chunks), daemon=True).start()
-                threading.Thread(target=self._send, args=(dst, chunks, port), daemon=True).start()
+                threading.Thread(target=self._send, args=(dst, chunks, port, asks), daemon=True).start()
 
     def _read(self, src: socket.socket, chunks: queue.Queue[tuple[float, bytes]]) -> None:
         while True:
@@ -148,7 +151,7 @@ class DelayProxy:
             if not data:
                 return
 
-    def _send(self, dst: socket.socket, chunks: queue.Queue[tuple[float, bytes]], port: int) -> None:
+    def _send(self, dst: socket.socket, chunks: queue.Queue[tuple[float, bytes]], port: int, asks: bool) -> None:
         while True:
             at, data = chunks.get()
             time.sleep(max(0.0, at - time.monotonic()))
@@ -164,6 +167,7 @@ class DelayProxy:
                 return
             with self._lock:
                 self.counts[port] += len(data)
+                self.requests[port] += len(REQUEST_LINE.findall(data)) if asks else 0
 
 
 @dataclass
@@ -185,6 +189,9 @@ class Link:
 
     def crossed(self, use: str) -> int:
         return self.proxy.counts[self.ports[use]]
+
+    def asked(self, use: str) -> int:
+        return self.proxy.requests[self.ports[use]]
 
 
 def _sh(*args: str) -> None:
@@ -298,6 +305,22 @@ class Timeline:
             self.events.append(self.last)
 
 
+def timed(objects: Any, events: list[dict[str, Any]], lock: threading.Lock) -> None:
+    """Record every GET of `objects` (a mirror's source) as an event: key, start, end, found."""
+    get = objects.get
+
+    def traced(key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        t0 = time.time()
+        got = get(key, start, end)
+        with lock:
+            events.append(
+                {"replica": "mirror", "kind": "get", "key": key, "t0": t0, "t1": time.time(), "found": got is not None}
+            )
+        return got
+
+    objects.get = traced
+
+
 def region_main(config_path: str) -> None:
     """Run one region: its replicas (threads), its mirror in delta_mirror, until told to stop."""
     cfg = json.loads(Path(config_path).read_text())
@@ -397,12 +420,15 @@ def region_main(config_path: str) -> None:
         home = f"s3://{cfg['bucket']}/run"
         settings = MirrorSettings(poll_seconds=cfg["mirror_poll"], threads=4)
         with Mirror(home, cfg["mirror_dir"], settings, source_options=options) as mirror:
+            timed(mirror.source.objects, events, lock)  # each GET's round trip: the lag in object round trips
             seen = None
             for metrics in mirror.follow(stop):
                 if metrics.mirror_step is not None and metrics.mirror_step != seen:
-                    seen = metrics.mirror_step
+                    seen = (
+                        metrics.mirror_step
+                    )  # complete at the mirror (its marker written), maybe before the pass ended
                     with lock:
-                        events.append({"replica": "mirror", "kind": "mirrored", "step": seen, "t": time.time()})
+                        events.append({"replica": "mirror", "kind": "mirrored", "step": seen, "t": metrics.mirrored_at})
             with lock:
                 events.append({"replica": "mirror", "kind": "read", "bytes": mirror.metrics.bytes_read, "t": 0})
 
@@ -726,6 +752,7 @@ class Phase:
     dense: int
     bases: int
     mirror_read: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)  # region -> HTTP requests through its link in the window
 
 
 def run_phase(
@@ -813,6 +840,7 @@ def run_phase(
         wait_for(lambda: acked(1), 600, "every replica at step 1")
         warm = time.time()
         before = {link.region: link.crossed("fleet") for link in link_list}
+        asked_before = {link.region: link.asked("fleet") for link in link_list}
         tbf_before = {link.region: tbf_sent(link) for link in link_list}
         start = time.time()
         for i, step in enumerate(steps[1:], start=1):
@@ -830,6 +858,7 @@ def run_phase(
         if mode != "full_sync":
             wait_for(lambda: any((work / "acks").glob(f"*-join.{steps[-1]}")), 120, "the joiner at the last step")
         crossed = {link.region: link.crossed("fleet") - before[link.region] for link in link_list}
+        requests = {link.region: link.asked("fleet") - asked_before[link.region] for link in link_list}
         tbf = {
             link.region: (None if tbf_before[link.region] is None else (tbf_sent(link) or 0) - tbf_before[link.region])  # type: ignore[operator]
             for link in link_list
@@ -884,6 +913,7 @@ def run_phase(
         dense,
         bases,
         mirror_read,
+        requests,
     )
 
 
@@ -929,6 +959,7 @@ class Figures:
     staleness: dict[str, int]
     joiner_seconds: float | None
     mirror_added_lag: dict[str, list[float]]  # per step: commit to complete at the mirror, less the transfer
+    object_rtt: dict[str, float]  # the median GET of a commit marker (found) by the region's mirror, in the window
 
 
 def figures(phase: Phase, mbit: float) -> Figures:
@@ -942,7 +973,7 @@ def figures(phase: Phase, mbit: float) -> Figures:
     per_reader = (
         phase.dense if phase.mode == "full_sync" else (phase.bases * phase.dense + (w - phase.bases) * delta) / w
     )
-    f = Figures({}, {}, {}, {}, {}, {}, {}, None, {})
+    f = Figures({}, {}, {}, {}, {}, {}, {}, None, {}, {})
     for region, events in phase.events.items():
         f.cross[region] = phase.crossed[region] / w
         f.formula[region] = per_reader * readers
@@ -972,6 +1003,13 @@ def figures(phase: Phase, mbit: float) -> Figures:
         if mirrored:
             transfer = {s: phase.step_bytes[s] / (mbit * 1e6 / 8) for s in mirrored}
             f.mirror_added_lag[region] = [t - phase.commits[s] - transfer[s] for s, t in mirrored.items()]
+        gets = [
+            e["t1"] - e["t0"]
+            for e in events
+            if e["kind"] == "get" and e["found"] and e["key"].endswith(".commit") and start <= e["t0"] <= end
+        ]
+        if gets:
+            f.object_rtt[region] = statistics.median(gets)
     return f
 
 
@@ -1019,6 +1057,18 @@ def table(phases: list[Phase], mbit: float) -> str:
                 for r, v in f.mirror_added_lag.items()
             )
             notes.append(f"mirror lag beyond the link's transfer time, p50/worst step: {lags}")
+            notes.append(
+                "  p50 in object round trips (a marker's GET through the link, median): "
+                + ", ".join(
+                    f"{r} {percentile(v, 0.5) / f.object_rtt[r]:.2f} ({1000 * f.object_rtt[r]:.0f} ms)"
+                    for r, v in f.mirror_added_lag.items()
+                    if r in f.object_rtt
+                )
+            )
+        if phase.requests:
+            w = len(phase.step_bytes)
+            asked = ", ".join(f"{r} {v / w:.1f}" for r, v in phase.requests.items())
+            notes.append(f"HTTP requests across each link per step: {asked}")
         if phase.mirror_read:
             read = ", ".join(f"{r} {v:,d}" for r, v in phase.mirror_read.items())
             notes.append(f"the mirrors' own count of bytes read, whole run (warm-up's base included): {read}")
@@ -1111,7 +1161,9 @@ def main() -> None:
     p.add_argument("--generate", type=float, default=0.5, help="seconds a replica's generation takes")
     p.add_argument("--mbit", type=float, default=50.0, help="each region's link bandwidth, Mbit/s")
     p.add_argument("--poll", type=float, default=0.25, help="seconds between a follower's polls")
-    p.add_argument("--mirror-poll", type=float, default=0.25, help="seconds between a mirror's passes")
+    p.add_argument(
+        "--mirror-poll", type=float, default=0.02, help="seconds between a mirror's passes once a step is due"
+    )
     p.add_argument("--base-every", type=int, default=25)
     p.add_argument("--no-kernel", action="store_true", help="shape in the proxy even as root")
     p.add_argument("--json", type=Path, help="write {mode: {figure: {region: value, fleet: value}}} (largest K)")

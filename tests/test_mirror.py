@@ -48,6 +48,7 @@ class Recording(DictObjects):
             self.objects = objects  # shared with another view of the same store
         self.events: list[tuple[str, str]] = []
         self.reads: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()  # GETs of an object not there (yet)
         self.hidden: set[str] = set()  # objects not there yet, as in a bucket that fills out of order
         self.lists = 0
 
@@ -58,6 +59,7 @@ class Recording(DictObjects):
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         data = None if key in self.hidden else super().get(key, start, end)
         self.reads[key] += data is not None
+        self.misses[key] += data is None
         return data
 
     def create(self, key: str, data: bytes) -> bool:
@@ -231,18 +233,51 @@ def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_befor
     assert_loads(mirror.destination, truth, [3, 5, 6, 7])
 
 
+def test_a_blob_read_with_its_marker_is_read_once_and_checked_before_it_is_written():
+    """Found by its names, a step's blob is read with its marker, at once: a blob there before its
+    marker is held (not read again), a damaged one is never written and is read again until it
+    heals, and a step that just came costs no request for the one after it."""
+    with _following() as (publish, mirror, watched, truth):
+        publish(1)
+        publish(2)
+        assert mirror.sync().mirror_step == 2  # a listing
+        publish(3)
+        marker, blob = fmt.commit_path(3, 0, 1), fmt.blob_path(3, 0, 1)
+        watched.hidden.add(marker)  # the blob is there, its commit not yet
+        assert mirror.sync().mirror_step == 2
+        assert watched.reads[blob] == 1 and blob not in mirror.destination.objects.objects
+        watched.hidden.clear()
+        assert mirror.sync().mirror_step == 3 and mirror.metrics.listings == 1  # found by its names
+        assert watched.misses[fmt.commit_path(4, 0, 1)] == 0  # 3 had just come: 4 was not looked for
+        publish(4)
+        key = fmt.blob_path(4, 0, 1)
+        good = watched.objects[key]
+        watched.objects[key] = good[:-3] + bytes([good[-3] ^ 1]) + good[-2:]  # its marker says the old bytes
+        for _ in range(2):
+            metrics = mirror.sync()
+            assert metrics.mirror_step == 3 and metrics.stopped_at == f"dict://home/{key}"
+        assert key not in mirror.destination.objects.objects
+        watched.objects[key] = good  # healed
+        assert mirror.sync().mirror_step == 4
+        read = +watched.reads
+        assert read.pop(key) == 3 and set(read.values()) == {1}  # the damaged blob: each pass until healed
+    assert_loads(mirror.destination, truth, [1, 2, 3, 4])
+
+
 def test_a_cadence_waits_until_the_next_step_is_due_and_polls_once_steps_come_early_or_at_once():
-    cadence = Cadence(keep=2)
+    cadence = Cadence(keep=3)
     assert cadence.wait(0.0, 0.1) == 0.1 and not cadence.overdue(0.0)  # no rhythm yet: every poll
-    for t in (0.0, 2.0, 4.0):
+    for t in (0.0, 2.0, 4.0, 6.0):
         cadence.arrived(t)
-    assert cadence.wait(4.0, 0.1) == pytest.approx(1.9)  # due at 6.0, less one poll
-    assert cadence.wait(5.95, 0.1) == 0.1
-    assert not cadence.overdue(7.9) and cadence.overdue(8.1)
-    cadence.arrived(4.5)  # an early step: the shortest gap rules
-    assert cadence.wait(4.5, 0.1) == pytest.approx(0.4)
-    cadence.arrived(4.5)  # a backlog found at once: every poll again
-    assert cadence.wait(4.5, 0.1) == 0.1
+    assert cadence.wait(6.0, 0.1) == pytest.approx(1.9)  # due at 8.0, less one poll
+    assert cadence.wait(7.95, 0.1) == 0.1
+    assert not cadence.overdue(9.9) and cadence.overdue(10.1)
+    cadence.arrived(8.7)  # found late (it came at 8.0): the next is still due at 10.0, not 10.7
+    assert cadence.wait(8.7, 0.1) == pytest.approx(1.2)
+    cadence.arrived(9.5)  # an early step: it moves the schedule sooner (due at 11.5)
+    assert cadence.wait(9.5, 0.1) == pytest.approx(1.9)
+    cadence.arrived(9.5)  # a backlog found at once: every poll again
+    assert cadence.wait(9.5, 0.1) == 0.1
 
 
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():

@@ -4,9 +4,11 @@ Every poll of a remote store is a request, and a request's headers cost about as
 object (about 1.4 KB on S3 with SigV4).  A trainer commits at a steady rhythm, so a poller that
 slept until shortly before the next step is due, and polled every `poll` from there, finds each
 step about as soon as one polling all the time, with a few requests a step instead of one every
-`poll`.  The schedule is taken from the shortest recent gap, so only a step that comes sooner
-than any recent one is found late (by as much as it came sooner), and a backlog found at once
-(gaps of zero) turns the schedule off until the rhythm is steady again.
+`poll`.  The schedule is the chain's usual gap (the median of the recent ones) from the earliest
+place any recent arrival puts the next step: a step found late (already there at the first poll)
+does not delay the ones after it; only a step that comes sooner than every recent arrival predicts
+is found late (by as much as it came sooner); and a backlog found at once (gaps of zero) turns the
+schedule off until the rhythm is steady again.
 """
 
 from __future__ import annotations
@@ -32,13 +34,17 @@ class Cadence:
         return [b - a for a, b in itertools.pairwise(self._arrivals)]
 
     def wait(self, now: float, poll: float) -> float:
-        """Seconds until the next poll: `poll`, or longer while the next step is not yet due
-        (the newest arrival plus the shortest recent gap, less one `poll` of margin)."""
+        """Seconds until the next poll: `poll`, or longer while the next step is not yet due, less
+        one `poll` of margin.  The next step is due at the earliest time any recent arrival puts
+        it at, a usual gap (the median) apart: a step found late (it was there at the first poll)
+        does not move the schedule later, so one late find is not carried over to every step."""
         gaps = self._gaps()
-        if len(gaps) < self._arrivals.maxlen - 1:  # type: ignore[operator]  # maxlen is set
-            return poll
-        due = self._arrivals[-1] + min(gaps) - poll
-        return max(poll, due - now)
+        if len(gaps) < self._arrivals.maxlen - 1 or min(gaps) <= 0:  # type: ignore[operator]  # maxlen is set
+            return poll  # no rhythm yet, or a backlog found at once
+        usual = statistics.median(gaps)
+        n = len(self._arrivals)
+        due = min(at + (n - i) * usual for i, at in enumerate(self._arrivals))
+        return max(poll, due - poll - now)
 
     def overdue(self, now: float) -> bool:
         """Whether no step has come for twice the chain's usual gap (its median): the next step

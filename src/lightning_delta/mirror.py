@@ -8,10 +8,11 @@ parts).  So a step is complete at the mirror only once every object of it is the
 step before it was copied: each step listed at the mirror loads.
 
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
-GETs the markers of the step it expects next (the newest mirrored plus the chain's stride, every
-rank at once), and once they are all there, the blobs they name, at once, then the step after
-that.  A step not there yet costs one small request per rank (a 404), where a listing pass costs
-three or more round trips one after another and grows with the chain.  The source is listed at
+GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
+stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
+held until the marker checks it), then looks for the step after it, unless the one it copied had
+just come.  A step not there yet costs two small requests per rank (404s), where a listing pass
+costs three or more round trips one after another and grows with the chain.  The source is listed at
 the first pass, every `list_seconds`, when the next step is overdue (it may have another number),
 after a base (the source's retention deletes then), and while the mirror is stopped at damage.
 Following, it sleeps until shortly before the next step is due (`cadence`), so a fine
@@ -72,6 +73,11 @@ class MirrorSettings:
     paced: bool = True
     """Following, sleep until shortly before the next step is due (the chain's recent rhythm)
     instead of polling every `poll_seconds` in between: a few requests a step, not one a poll."""
+    read_ahead: bool = True
+    """Found by its names, a step's blobs are read with its markers, at once: a step costs one
+    round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
+    per marker.  A blob read before its marker is held (at most the largest part seen of its rank,
+    a quarter more) until the marker is read and checks it."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -92,6 +98,9 @@ class MirrorMetrics:
     """The newest step complete at the source."""
     mirror_step: int | None = None
     """The newest step complete at the mirror."""
+    mirrored_at: float | None = None
+    """When `mirror_step` became complete at the mirror (`time.time()`: its last marker written),
+    which may be before the pass ended."""
     steps_behind: int = 0
     """Steps complete at the source and newer than `mirror_step`."""
     lag_seconds: float = 0.0
@@ -197,6 +206,10 @@ class Mirror:
         self._listed_at: float | None = None  # when the source was last listed (None: list next)
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
         self._cadence = Cadence()
+        self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
+        self._largest: dict[int, int] = {}  # rank -> its largest part seen: what a blob read ahead may be
+        self._missed = False  # the last pass looked for the next step and did not find it
+        self._beat_at: float | None = None  # when the heartbeat was last relayed
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -251,11 +264,13 @@ class Mirror:
         """A pass by names: the step expected next, and the ones after it while they are there."""
         mirrored_base = copied = False
         stopped = None
+        fresh, self._missed = self._missed, False  # the last pass missed it: a step found now just came
         while stopped is None:
             newest = max(self._done, default=None)
             step = (newest if newest is not None else -self._stride) + self._stride
             parts = self._parts_named(step, world, newest)
             if parts is None:  # not committed yet (or damaged: the overdue listing will say)
+                self._missed = not copied
                 break
             if not parts:  # a delta from a step the mirror does not hold: the guess passed one over
                 self._listed_at = None  # the next pass lists (the stride changed)
@@ -264,7 +279,7 @@ class Mirror:
             self._seen.setdefault(step, time.monotonic())
             stopped, base = self._copy([step], {step: parts}, {step}, world)
             mirrored_base, copied = mirrored_base or base, copied or step in self._done
-            if step not in self._done:
+            if step not in self._done or fresh:  # a step that just came: the next is not there yet
                 break
         if copied:
             self._cadence.arrived(time.monotonic())
@@ -273,7 +288,8 @@ class Mirror:
             return
         if mirrored_base:
             self._retain(None, mirrored_base)
-        self._relay_heartbeat()  # every pass (a signed run's only): a paused trainer's stays fresh
+        if not copied:  # never in a step's path; about once a step (a paused trainer's stays fresh)
+            self._relay_heartbeat(throttled=True)
         self._stopped = stopped
         self._update(stopped)
 
@@ -283,7 +299,11 @@ class Mirror:
         none if a delta of it does not follow `after` (copied, it would be a step the mirror lists
         that no reader can reach)."""
         parts = [_Part(step, rank, world, False) for rank in range(world)]
-        markers = list(self._pool.map(self._source_marker, parts))
+        with self._lock:  # blobs read ahead for another step (the guess moved on) are dropped
+            self._ahead = {p: b for p, b in self._ahead.items() if p.step == step}
+            ahead = [p for p in parts if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest]
+        jobs = [(self._source_marker, p) for p in parts] + [(self._read_ahead, p) for p in ahead]
+        markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(parts)]
         if any(m is None for m in markers):
             return None
         if any(m is not None and m.kind == fmt.Kind.DELTA and m.prev_step != after for m in markers):
@@ -386,6 +406,29 @@ class Mirror:
             self._markers[part.marker_key] = data
         return marker
 
+    def _read_ahead(self, part: _Part) -> None:
+        """`part`'s blob, read before its marker says what it must be (a thread's job), and held
+        until `_prepare` checks it, so that it is read once.  Read with a bound (the rank's largest
+        part seen, a quarter more); the rest of a longer one is read once its marker gives the size."""
+        with self._lock:
+            bound = self._largest[part.rank] * 5 // 4 + 4096
+        data = self._read(part.blob_key, bound)
+        if data is not None:
+            with self._lock:
+                self._ahead[part] = (data, bound)
+
+    def _blob(self, part: _Part, marker: fmt.CommitMarker) -> bytes | None:
+        """`part`'s blob from the source: what was read ahead (and the rest, if it was cut at its
+        bound), else read now; None if it is not there."""
+        with self._lock:
+            data, bound = self._ahead.pop(part, (None, 0))
+        if data is None:
+            return self._read(part.blob_key, marker.size)
+        if len(data) > bound and marker.size > bound:  # cut at its bound: the rest of it
+            rest = self._read(part.blob_key, marker.size, start=len(data))
+            return None if rest is None else data + rest
+        return data  # whole (or longer than its marker says: damage, which the check finds)
+
     def _source_parts(self, step: int, world: int) -> list[_Part]:
         """The parts committed at the source for `step` (of the run's world size), by listing."""
         parts = []
@@ -436,6 +479,9 @@ class Mirror:
             if step in complete:
                 self._done.add(step)
                 self._seen.pop(step, None)
+                if step == max(self._done):
+                    with self._lock:
+                        self.metrics.mirrored_at = time.time()
                 mirrored_base = mirrored_base or _base(ready, world)
         return stopped, mirrored_base
 
@@ -458,6 +504,8 @@ class Mirror:
             return _Stop(part.marker_key, str(err), damaged=True)
         with self._lock:
             self._markers[part.marker_key] = data
+            if not part.bridge:
+                self._largest[part.rank] = max(marker.size, self._largest.get(part.rank, 0))
             checked = part.blob_key in self._checked
             there = part.marker_key in self._checked
         if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
@@ -468,7 +516,7 @@ class Mirror:
             if blob_name in at_mirror:
                 self._check_copy(part.blob_key, marker)
             else:
-                blob = self._read(part.blob_key, marker.size)
+                blob = self._blob(part, marker)
                 if blob is None:
                     return _Stop(part.blob_key, "is not at the source yet", damaged=False)
                 try:
@@ -482,10 +530,10 @@ class Mirror:
 
     # ------------------------------------------------------------------ objects
 
-    def _read(self, key: str, limit: int) -> bytes | None:
-        """A source object, read with a bound (one more byte than `limit`: a larger object is
-        damage, never read whole)."""
-        data = self.source.objects.get(key, 0, limit + 1)
+    def _read(self, key: str, limit: int, start: int = 0) -> bytes | None:
+        """A source object (from `start`), read with a bound (to one byte past `limit`: a larger
+        object is damage, never read whole)."""
+        data = self.source.objects.get(key, start, limit + 1)
         if data is not None:
             with self._lock:
                 self.metrics.bytes_read += len(data)
@@ -507,12 +555,19 @@ class Mirror:
         else:
             self._same(key, data)
 
-    def _relay_heartbeat(self) -> None:
+    def _relay_heartbeat(self, throttled: bool = False) -> None:
         """Rewrite the mirror's heartbeat with the source's, if it changed (checked first, given
-        trusted keys: a forged heartbeat would hide steps withheld).  Only a signed run has one."""
+        trusted keys: a forged heartbeat would hide steps withheld).  Only a signed run has one.
+        `throttled`: read it once a usual step gap at most (`poll_seconds` without a rhythm), not
+        at every poll."""
         assert self._run is not None  # claimed before
         if self._run.manifest.signer is None:
             return
+        now = time.monotonic()
+        every = self._cadence.usual_gap() or self.settings.poll_seconds
+        if throttled and self._beat_at is not None and now - self._beat_at < every:
+            return
+        self._beat_at = now
         data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
         if data is None or data == self._heartbeat:
             return
