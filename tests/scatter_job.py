@@ -3,11 +3,14 @@ steps, each base decoded once in the group and scattered by owner (`lightning_de
 
     python -m torch.distributed.run --nproc-per-node N tests/scatter_job.py STORE OUT
 
-Ranks 0 and 1 publish as the trainer's two ranks (bases at steps 1, 3 and 5), so N workers share
-two parts: with N = 3 the last worker reads none and receives everything it holds.  Worker 0
-damages a byte of rank 1's part of step 3.  Each worker then loads step 1; step 3 (the damaged
-part); step 5 with the last worker failing as it writes what it received, after the transfer; step
-5 with worker 0 failing as it gathers its peers' elements, before it; step 5 again.  Each writes
+Ranks 0 and 1 publish as the trainer's two ranks (bases at steps 1, 3, 5 and 7), so N workers
+share two parts: with N = 3 the last worker reads none and receives everything it holds.  Worker 0
+damages a byte of rank 1's part of step 3 (its SHA-256 no longer matches its marker), and the last
+byte of rank 1's part of step 5 with the marker re-signed (a store that lies consistently: only
+the trainer's checksums catch it, after the elements were decoded and sent).  Each worker then
+loads step 1; step 3; step 5; step 7 with the last worker failing as it writes what it received,
+after the transfer; step 7 with worker 0 failing as it gathers its peers' elements, before it;
+step 7 again.  Each writes
 OUT/rank-R.json: whether its parameters equal its slices of the trainer's tensors, the error of
 each failed load and the step held after it, and the trainer ranks whose payloads it decompressed.
 """
@@ -37,11 +40,11 @@ fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
 
 
 def publish(url: str, group: dist.ProcessGroup) -> dict[int, dict[str, torch.Tensor]]:
-    """Steps 1-5 (bases at 1, 3, 5), as the trainer's two ranks (group ranks 0 and 1)."""
+    """Steps 1-7 (bases at 1, 3, 5, 7), as the trainer's two ranks (group ranks 0 and 1)."""
     state, truth = fused.checkpoint(), {}
     settings = PublisherSettings(base_every=2, codec=CodecOptions(context=Context.NONE))
     with DeltaPublisher(url, lambda: state, settings, process_group=group) as publisher:
-        for step in range(1, 6):
+        for step in range(1, 8):
             g = torch.Generator().manual_seed(step)
             for tensor in state.values():
                 bits = tensor.view(torch.int16).view(-1)
@@ -61,10 +64,13 @@ def main() -> None:
     dist.broadcast_object_list(shared, src=0)
     truth = shared[0]
     store = Store(store_url)
-    if rank == 0:  # a byte of a payload of rank 1's part of step 3: its SHA-256 refuses it
+    if rank == 0:
         blob = bytearray(store.objects.get(fmt.blob_path(3, 1, 2)))
         blob[len(blob) // 2] ^= 0x01
-        replace_blob(store, 3, 1, 2, bytes(blob))
+        store.objects.put(fmt.blob_path(3, 1, 2), bytes(blob))  # its marker's SHA-256 refuses it
+        blob = bytearray(store.objects.get(fmt.blob_path(5, 1, 2)))
+        blob[-1] ^= 0x01  # the last mantissa byte of its last payload (stored raw)
+        replace_blob(store, 5, 1, 2, bytes(blob))
     dist.barrier()
     engine = fused.Engine(rank, size)
     specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
@@ -103,6 +109,7 @@ def main() -> None:
 
     load(1)
     load(3)
+    load(5)
     scattered_apply, gather = whole_walk.Scattered.apply, whole_walk.WholeWalk.gather
     if rank == size - 1:  # fails writing what it received: after every element travelled
 
@@ -110,7 +117,7 @@ def main() -> None:
             raise MemoryError("out of memory writing the received elements")
 
         whole_walk.Scattered.apply = failing_apply  # type: ignore[method-assign]
-    load(5)
+    load(7)
     whole_walk.Scattered.apply = scattered_apply  # type: ignore[method-assign]
     if rank == 0:  # fails gathering a peer's elements: before any element travels
 
@@ -118,9 +125,9 @@ def main() -> None:
             raise MemoryError("out of memory gathering a peer's elements")
 
         whole_walk.WholeWalk.gather = failing_gather  # type: ignore[method-assign]
-    load(5)
+    load(7)
     whole_walk.WholeWalk.gather = gather  # type: ignore[method-assign]
-    load(5)
+    load(7)
     report["decoded"] = sorted(report["decoded"])
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
