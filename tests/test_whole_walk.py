@@ -68,3 +68,34 @@ def test_only_a_raw_payload_is_walked_whole():
     table = np.array([[0, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
     with pytest.raises(ValueError, match="only RAW"):
         whole_walk.WholeWalk(packed, sparse_walk.Segments(table, 1000), [np.zeros(1000, dtype=np.int16)])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(walks(), walks(), st.integers(0, 2**16))
+def test_elements_gathered_for_a_peer_and_scattered_there_write_and_hash_as_its_own_walk(case, other, seed):
+    """The reader of a part walks its own table and gathers a peer's (any table over the payload);
+    the peer's scatter writes its parameters and hashes its owned share as its own walk would."""
+    _, new, table, sizes = case
+    packed = codec.parse(codec.serialize(codec.pack_full(new.view(torch.bfloat16))), new.numel())
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16) for size in sizes]
+    walked, scattered = [p.clone().numpy() for p in params], [p.clone().numpy() for p in params]
+    peer = sparse_walk.Segments(table, packed.n)
+    share = whole_walk.WholeWalk(packed, peer, walked).apply()
+
+    _, _, own, own_sizes = other  # the reader's own table: of another tensor's shape, cut to this payload
+    own = own[own[:, 1] <= packed.n] if own.size else own
+    reader = whole_walk.WholeWalk(
+        packed, sparse_walk.Segments(own, packed.n), [np.zeros(s, dtype=np.int16) for s in own_sizes]
+    )
+    sent = reader.gather(peer)
+    assert len(sent) == whole_walk.count(peer)
+    assert whole_walk.Scattered(sent, peer, scattered).apply() == share
+    assert all(np.array_equal(a, b) for a, b in zip(walked, scattered, strict=True))
+
+
+def test_elements_of_another_count_are_refused():
+    table = np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    segments = sparse_walk.Segments(table, 10)
+    with pytest.raises(ValueError, match="9 int16 elements sent, the segment table holds 10"):
+        whole_walk.Scattered(np.zeros(9, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)])

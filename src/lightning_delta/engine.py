@@ -13,7 +13,9 @@ once every payload is walked, and every walk taken back exactly, in reverse (ste
 2**16), if any worker's check fails, so a failed update still leaves nothing written.  The
 workers share one download: each fetches the parts of a share of the trainer ranks, checks them
 against their markers, and sends the others the blobs, or the error it met, which every worker
-then raises: each blob is hashed once in the group, by the worker that read it.
+then raises: each blob is hashed once in the group, by the worker that read it, and a base step's
+RAW payloads are decompressed once too, by that worker, which sends each of the others only the
+elements it holds (`scatter`).
 
 Framework-free: an engine adapter (`vllm_backend`) gives the loader call, the parameters, the
 reload and the group.
@@ -21,6 +23,7 @@ reload and the group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
-from . import codec, plan, sparse_walk, whole_walk
+from . import codec, plan, scatter, sparse_walk, whole_walk
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
@@ -151,6 +154,9 @@ class EngineFollower:
         if self._segments and self.device.type == "cpu":
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
             whole_walk.compile()
+        self._peers = {}  # every worker's tables, for the base steps it decodes for the others
+        if self.group is not None and self.device.type == "cpu":
+            self._peers = scatter.peer_tables(self._segments, self.group)
         self._held: list[RankState] | None = None
         self._generation = 0
         self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
@@ -237,7 +243,7 @@ class EngineFollower:
         The payloads `write` walks are checked here only with `verify`, and of several steps only
         the first (each is checked again as it is written)."""
         started = time.perf_counter()
-        chains, fetched, base_step = self._fetch(step, held)
+        chains, fetched, base_step, scattered = self._fetch(step, held, thin=not verify)
         share = time.perf_counter() - started
         cadence = self.full_check
         if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
@@ -268,7 +274,7 @@ class EngineFollower:
                             local = True
                             checked.append(self._payload(rank, i, parts[0], state.checksums[i]))
                         continue
-                    if state is None and self._whole_walkable(rank, i, parts):
+                    if state is None and ((rank, i) in scattered or self._whole_walkable(rank, i, parts)):
                         whole.add((rank, i))
                         if not verify:
                             changed += self._views[rank][i].numel
@@ -299,13 +305,18 @@ class EngineFollower:
                 )
         return states, chains, frozenset(walked), frozenset(whole), changed, fetched, share
 
-    def _fetch(self, step: int, held: list[RankState] | None) -> tuple[list[tuple[fmt.Part, ...]], int, bool]:
-        """Every rank's parts (oldest first), the parts this worker fetched, and whether the step is
-        a base step; each worker fetches a share and sends the others its blobs, and the steps it
-        holds: `ChainError` on every worker if they differ (each then fetches from a base)."""
+    def _fetch(
+        self, step: int, held: list[RankState] | None, thin: bool = False
+    ) -> tuple[list[tuple[fmt.Part, ...]], int, bool, frozenset[tuple[int, int]]]:
+        """Every rank's parts (oldest first), the parts this worker fetched, whether the step is a
+        base step, and (with `thin`) the payloads the group walks whole that travel decoded, from
+        the worker that read them (`scatter`), not in the blobs; each worker fetches a share and
+        sends the others its blobs (without those payloads), and the steps it holds: `ChainError`
+        on every worker if they differ (each then fetches from a base)."""
         world = self.run.world_size
         ours = range(self.rank, world, self.size)
         fetched: dict[int, tuple[list[fmt.PartRef], Sequence[bytes | memoryview]]] = {}
+        scattered: dict[int, list[int]] = {}
         mine: list[Tensor] | BaseException
         try:
             if not self._reader.is_complete(step):
@@ -316,8 +327,10 @@ class EngineFollower:
             mine = []
             if self.group is not None:  # what the others need: the steps held here, and the blobs
                 mine.append(codec.byte_view(json.dumps([s.header.step for s in held] if held else None).encode()))
-                for refs, blobs in fetched.values():
-                    mine.append(codec.byte_view(json.dumps([asdict(r) for r in refs]).encode()))
+                for rank, (refs, blobs) in fetched.items():
+                    if thin and held is None and len(refs) == 1:
+                        blobs, scattered[rank] = self._thinned(rank, refs, blobs)
+                    mine.append(codec.byte_view(json.dumps([[asdict(r) for r in refs], scattered.get(rank)]).encode()))
                     mine += [codec.byte_view(b) for b in blobs]
         except Exception as err:
             mine = err
@@ -330,13 +343,31 @@ class EngineFollower:
                     continue
                 rest = iter(pieces[1:])
                 for rank in range(src, world, self.size):
-                    refs = [_ref(r) for r in json.loads(bytes(next(rest).numpy()))]
+                    described, whole = json.loads(bytes(next(rest).numpy()))
+                    refs = [_ref(r) for r in described]
                     fetched[rank] = (refs, [next(rest).numpy().data for _ in refs])  # not copied
+                    if whole is not None:
+                        scattered[rank] = whole
         elif isinstance(mine, BaseException):
             raise mine
         chains = [self._reader.parse(*fetched[rank], rank, checked=True) for rank in range(world)]
         base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
-        return chains, sum(len(fetched[r][0]) for r in ours), base_step
+        whole = frozenset((rank, i) for rank, indices in scattered.items() for i in indices)
+        return chains, sum(len(fetched[r][0]) for r in ours), base_step, whole
+
+    def _thinned(
+        self, rank: int, refs: list[fmt.PartRef], blobs: Sequence[bytes | memoryview]
+    ) -> tuple[list[bytes | memoryview], list[int]]:
+        """A base part (checked) as the others receive it: without the payloads the group walks
+        whole, which this worker decodes and sends each of them as elements (`scatter`); and
+        which those payloads are."""
+        (part,) = self._reader.parse(refs, blobs, rank, checked=True)
+        whole = [i for i in range(len(part.payloads)) if self._whole_walkable(rank, i, (part,))]
+        if not whole:
+            return list(blobs), whole
+        entries = [dataclasses.replace(e, length=0) if i in whole else e for i, e in enumerate(part.entries)]
+        payloads = [b"" if i in whole else bytes(p) for i, p in enumerate(part.payloads)]
+        return [fmt.encode_blob(part.header, entries, payloads, part.probe)], whole
 
     # ------------------------------------------------------------------ write
 
@@ -463,39 +494,61 @@ class EngineFollower:
             raise
 
     def _write_whole(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
-        """Walk every whole payload of a base step into the engine (`whole_walk`), each worker those
-        it holds any of, side by side on threads, and check them: partial sums over the owned
-        elements, summed over the group.  A failure on any worker raises on all of them, with the
+        """Walk every whole payload of a base step into the engine (`whole_walk`), side by side on
+        threads, and check them: partial sums over the owned elements, summed over the group.  In a
+        group, the worker that read a part decodes its payloads alone and sends each peer the
+        elements it holds (`scatter`).  A failure on any worker raises on all of them, with the
         engine holding no step.  Returns whether a kept copy changed."""
         if not prepared.whole:
             return False
         jobs, expected, partials, kept = [], [], list[int](), False
+        sending: list[tuple[int, int, np.ndarray]] = []  # (peer, tag, elements)
+        receiving: list[tuple[int, int, np.ndarray]] = []  # (worker that decodes it, tag, buffer)
+        arrays: dict[str | int, np.ndarray] = {}
         failure: Exception | None = None
         try:
-            for rank, i in sorted(prepared.whole):
+            for at, (rank, i) in enumerate(sorted(prepared.whole)):  # `at` tags its transfers too
                 table = self._segments_of(rank, i)
                 assert table is not None
                 expected.append((rank, i, prepared.chains[rank][0].entries[i].checksum))
-                if len(table[0].calls) == 1:  # only the sentinel: this worker holds none of it
-                    continue
-                for name in table[1]:
+                holds = whole_walk.count(table[0])
+                for name in table[1] if holds else ():
                     if isinstance(name, int):
                         kept = True
                         self._kept.setdefault(
                             name, torch.zeros(self.run.manifest.tensors[name].numel, dtype=torch.int16)
                         )
-                jobs.append((len(expected) - 1, rank, i))
+                source = scatter.reader(rank, self.size)
+                if source == self.rank and (holds or self.group is not None):
+                    jobs.append((at, rank, i))
+                elif source != self.rank and holds:
+                    receiving.append((source, at, np.empty(holds, dtype=np.int16)))
             partials = [0] * len(expected)
-            arrays: dict[str | int, np.ndarray] = {}
             with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), _threads()))) as pool:
                 futures = [
                     (at, pool.submit(self._walk_whole, rank, i, prepared.chains[rank][0], params, arrays))
                     for at, rank, i in jobs
                 ]
                 for at, future in futures:
-                    partials[at] = future.result()
+                    partials[at], gathered = future.result()
+                    sending += [(peer, at, values) for peer, values in gathered]
         except Exception as err:
             failure = err
+        if self.group is not None:
+            scatter.agree(failure, self.group)  # past it, every worker sends and receives
+            try:
+                scatter.send_receive(sending, receiving, self.group)
+                sending.clear()
+                keys = sorted(prepared.whole)
+                with ThreadPoolExecutor(max_workers=max(1, min(len(receiving), _threads()))) as pool:
+                    writes = [
+                        (at, pool.submit(self._scattered, *keys[at], values, params, arrays))
+                        for _, at, values in receiving
+                    ]
+                    for at, written in writes:
+                        partials[at] = written.result()
+            except Exception as err:
+                failure = err
         for (rank, i, want), got in zip(expected, self._sum(partials, failure), strict=True):
             if got != want:
                 names = [self._names[s.tensor] for s in self._views[rank][i].slices]
@@ -508,20 +561,37 @@ class EngineFollower:
 
     def _walk_whole(
         self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> int:
-        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum."""
+    ) -> tuple[int, list[tuple[int, np.ndarray]]]:
+        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum, and the
+        elements each peer holds of it (in a group, where this worker read the part)."""
         view, table = self._views[rank][i], self._segments_of(rank, i)
         assert table is not None
         packed = codec.parse(part.payloads[i], view.numel)
         if packed.dtype != view.dtype:
             where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
             raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
-        targets = []
-        for name in table[1]:  # a parameter, or the kept copy of a refused tensor
+        walk = whole_walk.WholeWalk(packed, table[0], self._whole_targets(table[1], params, arrays))
+        share = walk.apply()
+        peers = self._peers.get((rank, i), []) if self.group is not None else []
+        return share, [(q, walk.gather(t)) for q, t in enumerate(peers) if q != self.rank and whole_walk.count(t)]
+
+    def _scattered(
+        self, rank: int, i: int, values: np.ndarray, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
+    ) -> int:
+        """Payload `i` of `rank`'s elements this worker holds, as the worker that read it sent them:
+        written, and this worker's share of its checksum."""
+        table = self._segments_of(rank, i)
+        assert table is not None
+        return whole_walk.Scattered(values, table[0], self._whole_targets(table[1], params, arrays)).apply()
+
+    def _whole_targets(
+        self, names: list[str | int], params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
+    ) -> list[np.ndarray]:
+        """The arrays a table names: a parameter, or the kept copy of a refused tensor."""
+        for name in names:
             if name not in arrays:  # threads may both fill it: the same array either way
                 arrays[name] = _host(params[name], name) if isinstance(name, str) else self._kept[name].numpy()
-            targets.append(arrays[name])
-        return whole_walk.WholeWalk(packed, table[0], targets).apply()
+        return [arrays[name] for name in names]
 
     def _whole_walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
         """Whether payload `i` of `rank` is walked whole (`whole_walk`): on the CPU, one RAW payload

@@ -1,0 +1,138 @@
+"""Tensor-parallel workers of the stand-in engine (tests/fused.py) joining a chain by its base
+steps, each base decoded once in the group and scattered by owner (`lightning_delta.scatter`):
+
+    python -m torch.distributed.run --nproc-per-node N tests/scatter_job.py STORE OUT
+
+Ranks 0 and 1 publish as the trainer's two ranks (bases at steps 1, 3, 5 and 7), so N workers
+share two parts: with N = 3 the last worker reads none and receives everything it holds.  Worker 0
+damages a byte of rank 1's part of step 3 (its SHA-256 no longer matches its marker), and the last
+byte of rank 1's part of step 5 with the marker re-signed (a store that lies consistently: only
+the trainer's checksums catch it, after the elements were decoded and sent).  Each worker then
+loads step 1; step 3; step 5; step 7 with the last worker failing as it writes what it received,
+after the transfer; step 7 with worker 0 failing as it gathers its peers' elements, before it;
+step 7 again.  Each writes
+OUT/rank-R.json: whether its parameters equal its slices of the trainer's tensors, the error of
+each failed load and the step held after it, and the trainer ranks whose payloads it decompressed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fused
+from conftest import replace_blob
+from lightning_delta import DeltaError, Store, whole_walk
+from lightning_delta import format as fmt
+from lightning_delta.codec import CodecOptions, Context
+from lightning_delta.engine import EngineFollower
+from lightning_delta.publisher import DeltaPublisher, PublisherSettings
+from lightning_delta.viewmap import ViewMap
+
+fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
+
+
+def publish(url: str, group: dist.ProcessGroup) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 1-7 (bases at 1, 3, 5, 7), as the trainer's two ranks (group ranks 0 and 1)."""
+    state, truth = fused.checkpoint(), {}
+    settings = PublisherSettings(base_every=2, codec=CodecOptions(context=Context.NONE))
+    with DeltaPublisher(url, lambda: state, settings, process_group=group) as publisher:
+        for step in range(1, 8):
+            g = torch.Generator().manual_seed(step)
+            for tensor in state.values():
+                bits = tensor.view(torch.int16).view(-1)
+                bits[torch.rand(bits.numel(), generator=g) < 0.3] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    return truth
+
+
+def main() -> None:
+    store_url, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    trainer = dist.new_group([0, 1])  # every rank takes part in making it
+    truth = publish(store_url, trainer) if rank < 2 else {}
+    shared = [truth]
+    dist.broadcast_object_list(shared, src=0)
+    truth = shared[0]
+    store = Store(store_url)
+    if rank == 0:
+        blob = bytearray(store.objects.get(fmt.blob_path(3, 1, 2)))
+        blob[len(blob) // 2] ^= 0x01
+        store.objects.put(fmt.blob_path(3, 1, 2), bytes(blob))  # its marker's SHA-256 refuses it
+        blob = bytearray(store.objects.get(fmt.blob_path(5, 1, 2)))
+        blob[-1] ^= 0x01  # the last mantissa byte of its last payload (stored raw)
+        replace_blob(store, 5, 1, 2, bytes(blob))
+    dist.barrier()
+    engine = fused.Engine(rank, size)
+    specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
+    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
+
+    def reload(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            engine.load_weights(name, tensor)
+
+    params = lambda: dict(engine.named_parameters())  # noqa: E731
+    follower = EngineFollower(store, view_map, params, reload, group=dist.group.WORLD)
+    report: dict[str, Any] = {"exact": [], "errors": [], "messages": [], "decoded": set()}
+    walk_whole = EngineFollower._walk_whole
+
+    def decoding(self: EngineFollower, trainer: int, *args: Any) -> Any:
+        report["decoded"].add(trainer)
+        return walk_whole(self, trainer, *args)
+
+    EngineFollower._walk_whole = decoding  # type: ignore[method-assign]
+
+    def exact(step: int) -> bool:
+        state = engine.state()
+        return all(
+            torch.equal(state[k].view(torch.int16), v.view(torch.int16))
+            for k, v in engine.expected(truth[step]).items()
+        )
+
+    def load(step: int) -> None:
+        follower.forget()  # a replica joining: it holds nothing
+        try:
+            follower.update(step)
+            report["exact"].append([step, exact(step)])
+        except DeltaError as err:
+            report["errors"].append([step, type(err).__name__, follower.held_step])
+            report["messages"].append(str(err))
+
+    load(1)
+    load(3)
+    load(5)
+    scattered_apply, gather = whole_walk.Scattered.apply, whole_walk.WholeWalk.gather
+    if rank == size - 1:  # fails writing what it received: after every element travelled
+
+        def failing_apply(self: whole_walk.Scattered) -> int:
+            raise MemoryError("out of memory writing the received elements")
+
+        whole_walk.Scattered.apply = failing_apply  # type: ignore[method-assign]
+    load(7)
+    whole_walk.Scattered.apply = scattered_apply  # type: ignore[method-assign]
+    if rank == 0:  # fails gathering a peer's elements: before any element travels
+
+        def failing_gather(self: whole_walk.WholeWalk, segments: Any) -> np.ndarray:
+            raise MemoryError("out of memory gathering a peer's elements")
+
+        whole_walk.WholeWalk.gather = failing_gather  # type: ignore[method-assign]
+    load(7)
+    whole_walk.WholeWalk.gather = gather  # type: ignore[method-assign]
+    load(7)
+    report["decoded"] = sorted(report["decoded"])
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""A base step in a tensor-parallel group, decoded once by the worker that read each part and
+scattered by owner (`lightning_delta.scatter`), with real gloo ranks (tests/scatter_job.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, torchrun
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_every_worker(tmp_path, workers):
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(ROOT / "tests" / "scatter_job.py", str(tmp_path / "store"), str(out), nproc=workers)
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(workers)]
+    for worker, report in enumerate(reports):
+        # bit-exact after each base step that loads, the last one after the failures
+        assert report["exact"] == [[1, True], [7, True]]
+        # every worker refuses, with the same error and no step held after it: the part whose bytes
+        # do not match its marker (read by worker 1, refused before any byte of it is decoded); the
+        # part re-signed over a flipped value (decoded and sent, refused by the group's checksum);
+        # the last worker failing as it writes what it received (after the transfer) and worker 0
+        # failing as it gathers (before it)
+        assert report["errors"] == [
+            [3, "ChecksumError", None],
+            [5, "ChecksumError", None],
+            [7, "DeltaError", None],
+            [7, "DeltaError", None],
+        ]
+        assert "SHA-256" in report["messages"][0]
+        assert "does not reproduce the trainer's checksum" in report["messages"][1]
+        # each trainer rank's payloads decompressed by the worker that read its part alone (the
+        # third of three workers reads none)
+        assert report["decoded"] == ([worker] if worker < 2 else [])
