@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import jobs
 from conftest import assert_state
 from lightning_delta import (
     ChecksumError,
@@ -706,6 +707,7 @@ def _replica_worker(rank: int, url: str, trusted: str, out: str) -> None:
     step, state = loader.state_dict(2)
     torch.save({"forged": forged, "step": step, "state": state}, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
+    jobs.end()  # not Python's finalization, which a gloo thread can abort (SIGABRT; jobs.end says why)
 
 
 @pytest.mark.slow
