@@ -471,14 +471,20 @@ def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torc
 @pytest.mark.parametrize(
     "entries, count, message",
     [
-        (bytes.fromhex("7e1010"), 0, "classes"),  # a count of 0 with changes
-        (bytes.fromhex("7e1010"), 257, "classes"),
+        (bytes.fromhex("7e1010"), 0, "^CLASSED tensor payload lists 0 exponent classes, at most 256 exist$"),
+        (bytes.fromhex("7e1010"), 257, "^CLASSED tensor payload lists 257 exponent classes, at most 256 exist$"),
         (bytes.fromhex("7e1011"), None, "17 changes among 16"),
-        (bytes.fromhex("7e1000"), None, "0 changes"),
+        (bytes.fromhex("7e1000"), None, "^CLASSED tensor payload: exponent 126 has 0 changes among 16$"),
         (bytes.fromhex("7e100f"), None, "15 changes, the header"),  # sums must match m
         (bytes.fromhex("7e08087e0808"), None, "out of order"),
         (bytes.fromhex("7f08087e0808"), None, "out of order"),
         (bytes.fromhex("7e820210"), None, "258 elements"),  # more members than n
+        # more members than n over two classes, each within it
+        (
+            bytes.fromhex("7e10087ff80108"),
+            None,
+            "^CLASSED tensor payload: its classes hold 264 elements and 16 changes, the header 256 and 16$",
+        ),
         (bytes.fromhex("7f1010"), None, "another tensor"),  # the old tensor has no 16 of 0x7F
         (bytes.fromhex("7e10"), 1, "CLASSED|truncated"),  # the entry runs into the sections
     ],
@@ -487,6 +493,29 @@ def test_hostile_class_tables_are_refused(entries, count, message):
     old, payload = _classed_table_patch(entries, count)
     with pytest.raises(FormatError, match=message):
         codec.decode(old, payload)
+
+
+@pytest.mark.parametrize("numel, width", [(4096, 9), (1 << 16, 13)])
+def test_a_few_changes_in_a_large_tensor_decode_with_low_bits_wider_than_a_byte(numel, width):
+    """Elias-Fano's low bits are floor(log2(n / m)) - 1 wide: past 8 (three changes among 4,096
+    elements and more) the decoder unpacks them bit by bit, not a byte's worth at a time."""
+    old = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(torch.bfloat16)
+    new = old.clone()
+    at = torch.tensor([3, numel // 3, numel - 1])
+    new.view(torch.int16)[at] += 1
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    packed = codec.parse(payload, numel)
+    assert packed.mode == Mode.SPARSE and packed.low_bits == width
+    assert bitwise_equal(codec.decode(old, payload), new)
+    for chunk in (None, 1):
+        pieces = _pieces(payload, old, chunk)
+        assert isinstance(pieces, codec.Steps) and torch.equal(pieces.index, at)
+
+
+def test_a_payload_that_ends_inside_its_class_table_is_refused():
+    old, payload = _classed_table_patch(bytes.fromhex("7e0808"), 2)
+    with pytest.raises(FormatError, match=r"^tensor payload truncated inside its class table$"):
+        codec.decode(old, payload[: payload.index(bytes.fromhex("7e0808")) + 3])
 
 
 def test_classed_high_bits_must_stay_in_their_class():
