@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -163,6 +165,23 @@ def test_an_lz4_section_larger_than_its_block_format_holds_is_refused_before_dec
     size = codec._LZ4_MAX + 1
     with pytest.raises(FormatError, match=f"^an lz4 block holds at most {codec._LZ4_MAX} bytes, this section {size}$"):
         codec._lz4_decompress(memoryview(b"\0"), size)
+
+
+def test_a_zstd_frame_that_declares_another_size_is_refused_and_each_thread_decompresses_with_its_own():
+    """The frame's own content size must not size the output (a flipped bit there would allocate
+    gigabytes): one that disagrees with the section's is refused. zstd's decompressor objects must
+    not be shared between threads: a new thread makes its own."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        1, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=True
+    )
+    frame = memoryview(zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * 100))
+    with pytest.raises(FormatError, match=r"^zstd frame declares 100 bytes, expected 50$"):
+        codec._zstd_decompress(frame, 50)
+    got: list[bytes] = []
+    thread = threading.Thread(target=lambda: got.append(codec._zstd_decompress(frame, 100)))
+    thread.start()
+    thread.join()
+    assert got == [b"\0" * 100]
 
 
 @settings(max_examples=100, deadline=None)
