@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import Verdict, bitwise_equal, verdict
 from lightning_delta import codec
-from lightning_delta.codec import CodecOptions, Compressor, Context, Mode
+from lightning_delta.codec import CodecOptions, Compressor, Context, Mode, ValueCoding
 from lightning_delta.errors import FormatError
 from lightning_delta.format import DType
 
@@ -435,7 +435,10 @@ def _patched(payload: bytes, pos: int, value: bytes) -> bytes:
         (lambda p: _patched(p, 6, b"\x09"), "inconsistent"),
         (lambda p: _patched(p, 7, b"\x09"), "unknown"),
         (lambda p: p[:8] + b"\x87\x27" + p[10:], "elements"),  # n = 4999
-        (lambda p: p[:8] + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + p[10:], "longer than 9"),
+        (
+            lambda p: p[:8] + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + p[10:],
+            "^tensor payload has a section length longer than 9 bytes$",
+        ),
         (lambda p: p[:10] + b"\xf0\x2e" + p[11:], "inconsistent"),  # m = 6000 > n
     ],
 )
@@ -457,11 +460,44 @@ def test_decompression_bomb_is_bounded():
         codec.decode(old, payload)
 
 
+@pytest.mark.parametrize(
+    "dtype, at, value",
+    [
+        (torch.bfloat16, 9, b"\x3f"),  # m != n
+        (torch.bfloat16, 10, b"\x01"),  # k
+        (torch.float16, 5, bytes([ValueCoding.EXPONENT])),  # the exponent coding is bfloat16's alone
+        (torch.bfloat16, 6, b"\x01"),  # low bits
+    ],
+)
+def test_a_raw_header_with_any_one_field_inconsistent_is_refused(dtype, at, value):
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, generator=g).to(dtype) for _ in range(2))
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    assert codec.mode_of(payload) == Mode.RAW and payload[8:11] == b"\x40\x40\x00"  # n, m, k
+    with pytest.raises(FormatError, match=r"^RAW tensor payload with inconsistent header fields$"):
+        codec.decode(old, _patched(payload, at, value))
+
+
+def test_a_truncated_header_an_unknown_compressor_and_too_many_elements_are_refused_with_what_is_wrong():
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2))
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    with pytest.raises(FormatError, match=r"^tensor payload truncated: 5 bytes, header needs 8$"):
+        codec.decode(old, payload[:5])
+    with pytest.raises(FormatError, match=r"^tensor payload truncated inside a section length$"):
+        codec.decode(old, payload[:8] + b"\x80")
+    with pytest.raises(FormatError, match=r"^unknown compressor code 9 in tensor payload$"):
+        codec.decode(old, _patched(payload, 11, b"\x09"))  # the first section's compressor
+    limit = 1 << 40
+    with pytest.raises(FormatError, match=f"^a tensor payload holds at most {limit} elements, {limit + 1} expected$"):
+        codec.parse(payload, limit + 1)
+
+
 def test_varints_must_be_minimal():
     old, new = _sample()
     payload = codec.encode(old, new)
     assert payload[10:12] == b"\x50\x50"  # m = k = 80: every change in _sample() is +3
-    with pytest.raises(FormatError, match="non-minimal"):
+    with pytest.raises(FormatError, match=r"^tensor payload has a non-minimal section length$"):
         codec.decode(old, payload[:11] + b"\xd0\x00" + payload[12:])  # k = 80 spelt in two bytes
 
 
