@@ -581,6 +581,21 @@ def test_a_few_changes_in_a_large_tensor_decode_with_low_bits_wider_than_a_byte(
         assert isinstance(pieces, codec.Steps) and torch.equal(pieces.index, at)
 
 
+@pytest.mark.parametrize(
+    "at, value, fields",
+    [
+        (5, b"\x00", "n=256, m=16, k=0, l=0"),  # not the SPLIT coding of the changes' steps
+        (6, b"\x01", "n=256, m=16, k=0, l=1"),  # low bits (each class has its own)
+        (10, b"\x00", "n=256, m=0, k=0, l=0"),  # no change
+        (11, b"\x11", "n=256, m=16, k=17, l=0"),  # more large steps than changes
+    ],
+)
+def test_a_classed_header_with_any_one_field_inconsistent_is_refused(at, value, fields):
+    old, payload = _classed_table_patch(bytes.fromhex("7e1010"))
+    with pytest.raises(FormatError, match=rf"^CLASSED tensor payload with inconsistent header \({fields}\)$"):
+        codec.decode(old, _patched(payload, at, value))
+
+
 def test_a_payload_that_ends_inside_its_class_table_is_refused():
     old, payload = _classed_table_patch(bytes.fromhex("7e0808"), 2)
     with pytest.raises(FormatError, match=r"^tensor payload truncated inside its class table$"):
