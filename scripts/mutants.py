@@ -155,6 +155,14 @@ MUTANTS = (
         ("tests/test_follow.py::-k rank_0s_newest",),
     ),
     Mutant(
+        "replica-held-agreed",
+        "workers that hold different steps decode the step from its base, not each against its own state",
+        "loader.py",
+        "            if len(set(exchange_bytes(mine, self.group, self._group_device))) > 1:\n",
+        "            if exchange_bytes(mine, self.group, self._group_device) and False:\n",
+        ("tests/test_follow.py::-k different_steps",),
+    ),
+    Mutant(
         "part-signature",
         "with trusted keys, a commit marker must be signed by the run's signer over its run, step, rank, kind and blob",
         "signing.py",
@@ -239,14 +247,6 @@ MULTI_PROCESS = (
         "replica.py",
         "        starts.append(starts[-1] + (n + 7) // 8 * 8)\n",
         "        starts.append(starts[-1] + n)\n",
-        (REPLICA, COLLECTIVES),
-    ),
-    Mutant(
-        "replica-held-agreed",
-        "workers that hold different steps decode the step from its base, not each against its own state",
-        "loader.py",
-        "            if len(set(exchange_bytes(mine, self.group, self._group_device))) > 1:\n",
-        "            if exchange_bytes(mine, self.group, self._group_device) and False:\n",
         (REPLICA, COLLECTIVES),
     ),
     Mutant(

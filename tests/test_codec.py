@@ -2,15 +2,17 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Verdict, bitwise_equal, verdict
 from lightning_delta import codec
-from lightning_delta.codec import CodecOptions, Compressor, Context, Mode
+from lightning_delta.codec import CodecOptions, Compressor, Context, Mode, ValueCoding
 from lightning_delta.errors import FormatError
 from lightning_delta.format import DType
 
@@ -165,17 +167,38 @@ def test_an_lz4_section_larger_than_its_block_format_holds_is_refused_before_dec
         codec._lz4_decompress(memoryview(b"\0"), size)
 
 
+def test_a_zstd_frame_that_declares_another_size_is_refused_and_each_thread_decompresses_with_its_own():
+    """The frame's own content size must not size the output (a flipped bit there would allocate
+    gigabytes): one that disagrees with the section's is refused. zstd's decompressor objects must
+    not be shared between threads: a new thread makes its own."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        1, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=True
+    )
+    frame = memoryview(zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * 100))
+    with pytest.raises(FormatError, match=r"^zstd frame declares 100 bytes, expected 50$"):
+        codec._zstd_decompress(frame, 50)
+    got: list[bytes] = []
+    thread = threading.Thread(target=lambda: got.append(codec._zstd_decompress(frame, 100)))
+    thread.start()
+    thread.join()
+    assert got == [b"\0" * 100]
+
+
 @settings(max_examples=100, deadline=None)
 @given(pairs())
 def test_decoded_change_lists_exactly_the_changed_elements(pair):
     old, new = pair
-    decoded = codec.decode_change(old, codec.encode(old, new))
-    if decoded.change is not None:
-        change, expected = decoded.change, (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
-        assert torch.equal(change.index, expected)
-        assert torch.equal(change.old, old.view(torch.int16)[expected])
-        assert torch.equal(change.new, new.view(torch.int16)[expected])
-        assert (change.numel, change.dtype) == (old.numel(), old.dtype)
+    payload = codec.encode(old, new)
+    decoded = codec.decode_change(old, payload)
+    if codec.mode_of(payload) == Mode.RAW:  # shipped whole: no list of changes
+        assert decoded.change is None
+        return
+    change, expected = decoded.change, (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
+    assert change is not None
+    assert torch.equal(change.index, expected)
+    assert torch.equal(change.old, old.view(torch.int16)[expected])
+    assert torch.equal(change.new, new.view(torch.int16)[expected])
+    assert (change.numel, change.dtype) == (old.numel(), old.dtype)
 
 
 def test_a_sparse_payload_without_the_previous_tensor_is_refused_with_what_it_needs():
@@ -184,6 +207,16 @@ def test_a_sparse_payload_without_the_previous_tensor_is_refused_with_what_it_ne
     assert codec.mode_of(payload) == Mode.SPARSE
     with pytest.raises(FormatError, match=r"^a SPARSE tensor payload needs the previous tensor to decode against$"):
         codec.decode(None, payload, numel=1000, dtype=torch.bfloat16)
+
+
+def test_a_classed_payload_without_the_previous_tensor_is_refused_with_what_it_needs():
+    old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[::16] += 1
+    payload = codec.encode(old, new, CLASSED)
+    assert codec.mode_of(payload) == Mode.CLASSED
+    with pytest.raises(ValueError, match=r"^a CLASSED payload needs the old tensor's exponents$"):
+        codec.decode(None, payload, numel=256, dtype=torch.bfloat16)
 
 
 def test_nothing_changed_is_a_tiny_payload():
@@ -402,7 +435,10 @@ def _patched(payload: bytes, pos: int, value: bytes) -> bytes:
         (lambda p: _patched(p, 6, b"\x09"), "inconsistent"),
         (lambda p: _patched(p, 7, b"\x09"), "unknown"),
         (lambda p: p[:8] + b"\x87\x27" + p[10:], "elements"),  # n = 4999
-        (lambda p: p[:8] + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + p[10:], "longer than 9"),
+        (
+            lambda p: p[:8] + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + p[10:],
+            "^tensor payload has a section length longer than 9 bytes$",
+        ),
         (lambda p: p[:10] + b"\xf0\x2e" + p[11:], "inconsistent"),  # m = 6000 > n
     ],
 )
@@ -424,11 +460,44 @@ def test_decompression_bomb_is_bounded():
         codec.decode(old, payload)
 
 
+@pytest.mark.parametrize(
+    "dtype, at, value",
+    [
+        (torch.bfloat16, 9, b"\x3f"),  # m != n
+        (torch.bfloat16, 10, b"\x01"),  # k
+        (torch.float16, 5, bytes([ValueCoding.EXPONENT])),  # the exponent coding is bfloat16's alone
+        (torch.bfloat16, 6, b"\x01"),  # low bits
+    ],
+)
+def test_a_raw_header_with_any_one_field_inconsistent_is_refused(dtype, at, value):
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, generator=g).to(dtype) for _ in range(2))
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    assert codec.mode_of(payload) == Mode.RAW and payload[8:11] == b"\x40\x40\x00"  # n, m, k
+    with pytest.raises(FormatError, match=r"^RAW tensor payload with inconsistent header fields$"):
+        codec.decode(old, _patched(payload, at, value))
+
+
+def test_a_truncated_header_an_unknown_compressor_and_too_many_elements_are_refused_with_what_is_wrong():
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2))
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    with pytest.raises(FormatError, match=r"^tensor payload truncated: 5 bytes, header needs 8$"):
+        codec.decode(old, payload[:5])
+    with pytest.raises(FormatError, match=r"^tensor payload truncated inside a section length$"):
+        codec.decode(old, payload[:8] + b"\x80")
+    with pytest.raises(FormatError, match=r"^unknown compressor code 9 in tensor payload$"):
+        codec.decode(old, _patched(payload, 11, b"\x09"))  # the first section's compressor
+    limit = 1 << 40
+    with pytest.raises(FormatError, match=f"^a tensor payload holds at most {limit} elements, {limit + 1} expected$"):
+        codec.parse(payload, limit + 1)
+
+
 def test_varints_must_be_minimal():
     old, new = _sample()
     payload = codec.encode(old, new)
     assert payload[10:12] == b"\x50\x50"  # m = k = 80: every change in _sample() is +3
-    with pytest.raises(FormatError, match="non-minimal"):
+    with pytest.raises(FormatError, match=r"^tensor payload has a non-minimal section length$"):
         codec.decode(old, payload[:11] + b"\xd0\x00" + payload[12:])  # k = 80 spelt in two bytes
 
 
@@ -471,14 +540,20 @@ def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torc
 @pytest.mark.parametrize(
     "entries, count, message",
     [
-        (bytes.fromhex("7e1010"), 0, "classes"),  # a count of 0 with changes
-        (bytes.fromhex("7e1010"), 257, "classes"),
+        (bytes.fromhex("7e1010"), 0, "^CLASSED tensor payload lists 0 exponent classes, at most 256 exist$"),
+        (bytes.fromhex("7e1010"), 257, "^CLASSED tensor payload lists 257 exponent classes, at most 256 exist$"),
         (bytes.fromhex("7e1011"), None, "17 changes among 16"),
-        (bytes.fromhex("7e1000"), None, "0 changes"),
+        (bytes.fromhex("7e1000"), None, "^CLASSED tensor payload: exponent 126 has 0 changes among 16$"),
         (bytes.fromhex("7e100f"), None, "15 changes, the header"),  # sums must match m
         (bytes.fromhex("7e08087e0808"), None, "out of order"),
         (bytes.fromhex("7f08087e0808"), None, "out of order"),
         (bytes.fromhex("7e820210"), None, "258 elements"),  # more members than n
+        # more members than n over two classes, each within it
+        (
+            bytes.fromhex("7e10087ff80108"),
+            None,
+            "^CLASSED tensor payload: its classes hold 264 elements and 16 changes, the header 256 and 16$",
+        ),
         (bytes.fromhex("7f1010"), None, "another tensor"),  # the old tensor has no 16 of 0x7F
         (bytes.fromhex("7e10"), 1, "CLASSED|truncated"),  # the entry runs into the sections
     ],
@@ -487,6 +562,44 @@ def test_hostile_class_tables_are_refused(entries, count, message):
     old, payload = _classed_table_patch(entries, count)
     with pytest.raises(FormatError, match=message):
         codec.decode(old, payload)
+
+
+@pytest.mark.parametrize("numel, width", [(4096, 9), (1 << 16, 13)])
+def test_a_few_changes_in_a_large_tensor_decode_with_low_bits_wider_than_a_byte(numel, width):
+    """Elias-Fano's low bits are floor(log2(n / m)) - 1 wide: past 8 (three changes among 4,096
+    elements and more) the decoder unpacks them bit by bit, not a byte's worth at a time."""
+    old = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(torch.bfloat16)
+    new = old.clone()
+    at = torch.tensor([3, numel // 3, numel - 1])
+    new.view(torch.int16)[at] += 1
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    packed = codec.parse(payload, numel)
+    assert packed.mode == Mode.SPARSE and packed.low_bits == width
+    assert bitwise_equal(codec.decode(old, payload), new)
+    for chunk in (None, 1):
+        pieces = _pieces(payload, old, chunk)
+        assert isinstance(pieces, codec.Steps) and torch.equal(pieces.index, at)
+
+
+@pytest.mark.parametrize(
+    "at, value, fields",
+    [
+        (5, b"\x00", "n=256, m=16, k=0, l=0"),  # not the SPLIT coding of the changes' steps
+        (6, b"\x01", "n=256, m=16, k=0, l=1"),  # low bits (each class has its own)
+        (10, b"\x00", "n=256, m=0, k=0, l=0"),  # no change
+        (11, b"\x11", "n=256, m=16, k=17, l=0"),  # more large steps than changes
+    ],
+)
+def test_a_classed_header_with_any_one_field_inconsistent_is_refused(at, value, fields):
+    old, payload = _classed_table_patch(bytes.fromhex("7e1010"))
+    with pytest.raises(FormatError, match=rf"^CLASSED tensor payload with inconsistent header \({fields}\)$"):
+        codec.decode(old, _patched(payload, at, value))
+
+
+def test_a_payload_that_ends_inside_its_class_table_is_refused():
+    old, payload = _classed_table_patch(bytes.fromhex("7e0808"), 2)
+    with pytest.raises(FormatError, match=r"^tensor payload truncated inside its class table$"):
+        codec.decode(old, payload[: payload.index(bytes.fromhex("7e0808")) + 3])
 
 
 def test_classed_high_bits_must_stay_in_their_class():

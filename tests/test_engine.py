@@ -18,6 +18,7 @@ from lightning_delta import (
     DeltaError,
     DeltaPublisher,
     PublisherSettings,
+    SnapshotNotFoundError,
     Store,
     StoreError,
     codec,
@@ -263,6 +264,91 @@ def test_a_follower_steps_behind_walks_each_step_and_a_forged_one_takes_every_wa
     assert all(torch.equal(before[k], v) for k, v in engine.state().items())
 
 
+def test_a_payload_shipped_whole_from_the_step_held_is_checked_before_a_write_and_written_after_the_walks(
+    store_url, walks, monkeypatch
+):
+    """A delta whose change is dense ships its payload whole (RAW). From the step held it is decoded
+    like a change (`_chunks`), checked by its own checksum before anything is written, and written
+    beside the payloads of its rank walked before and after it (every tensor a payload of its own,
+    in name order: the rope's, a kept copy the engine reloads, is the fifth of six). A forged value
+    in it writes nothing."""
+    monkeypatch.setattr(publisher_module, "_SMALL", 0)
+    state, truth = checkpoint(), {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in (1, 2, 3):
+            if step > 1:
+                state["layer.q"].view(torch.int16).view(-1)[:: 7 * step] += 1  # a few: walked
+                state["layer.rope"].view(torch.int16).add_(1)  # every element: shipped whole
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    store = Store(store_url)
+    assert [codec.mode_of(p) for p in store.read_part(2, 0, 1).payloads] == [Mode.SPARSE] * 4 + [Mode.RAW, Mode.SPARSE]
+    forge_value(store, 3, payload=4)  # the rope's
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(1)
+    walked = walks[0]
+    live.update(2)
+    assert walks[0] - walked == 5  # all but the rope's, which torch decoded
+    assert exact(engine, truth[2]) and torch.equal(engine.rope, truth[2]["layer.rope"])
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(ChecksumError, match=f"step 3: payload 4 .*{MESSAGE}"):
+        live.update(3)  # refused from the step held, then from the base at 1: before any walk
+    assert live.held_step == 2 and torch.equal(engine.rope, truth[2]["layer.rope"])
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+
+
+def test_a_prefetched_step_is_checked_again_before_its_write_and_loaded_from_its_base_if_a_weight_moved(
+    store_url, caplog
+):
+    """CLASSED deltas (decoded by torch, not walked): `update` checks a step the prefetcher verified
+    ahead once more against the weights it will be written over; a weight changed meanwhile sends
+    the step back to its base, which writes every element."""
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(STEPS - 1)
+    live.prefetch(0.01)
+    assert live._prefetch is not None
+    live._prefetch[0].join(60)  # step 8 verified ahead, against step 7's weights
+    q7, q8 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (STEPS - 1, STEPS))
+    # its lowest mantissa bit: the exponent classes the CLASSED payload was made against stay
+    engine.qkv.data.view(torch.int16).view(-1)[int((q8 != q7).nonzero()[0])] ^= 1
+    caplog.set_level("WARNING", logger="lightning_delta.engine")
+    prepared, prefetched, _ = live.update(None)
+    assert (prepared.step, prepared.held, prefetched) == (STEPS, None, False)  # loaded again, not the prefetched
+    assert live.held_step == STEPS and exact(engine, truth[STEPS])
+    said = [r.getMessage() for r in caplog.records if "from its base" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        f"since step {STEPS} was verified; nothing was written, and the next step is written whole; "
+        f"loading step {STEPS} from its base"
+    )
+
+
+def test_a_step_decoded_before_another_write_is_not_written(store_url):
+    publish(store_url)
+    live = follower(store_url, Engine())
+    live.update(2)
+    stale = live.prepare(3)
+    live.update(3)
+    with pytest.raises(SnapshotNotFoundError, match=r"^step 3 was decoded against a state no longer held$"):
+        live.write(stale)
+
+
+def test_an_engine_without_a_reload_refuses_a_step_that_changes_a_kept_tensor(store_url):
+    """The rope is computed by the engine's loader (a kept copy): without a reload the follower
+    cannot write it, says so, and holds no step."""
+    publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live._reload = None
+    with pytest.raises(
+        SnapshotNotFoundError, match=r"^tensors the engine cannot take in place changed, and it has no reload$"
+    ):
+        live.update(1)
+    assert live.held_step is None
+
+
 class _Stalling(FsspecObjects):
     """A store whose listings wait, once `stalled` is cleared, until it is set again (a store that
     does not answer), for 20 s at most."""
@@ -323,7 +409,7 @@ def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_st
     live.verify()
 
 
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url):
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
     """The end of a write (the engine's reload of the tensors it cannot take in place) cannot be
     taken back: where it raises, the follower holds no step and loads the step again from its base
     at once; where that fails too, it says so, and the next update re-syncs."""
@@ -345,8 +431,10 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url):
 
     live.update(2)
     live._reload = failing(1)
-    prepared, _, _ = live.update(3)  # the reload raised once: step 3 again, from the base at 1
-    assert calls == [["layer.norm", "layer.rope"]] * 2 and prepared.held is None
+    caplog.set_level("WARNING", logger="lightning_delta.engine")
+    prepared, prefetched, _ = live.update(3)  # the reload raised once: step 3 again, from the base at 1
+    assert calls == [["layer.norm", "layer.rope"]] * 2 and prepared.held is None and not prefetched
+    assert "RuntimeError: the reload failed halfway; re-syncing step 3 from its base" in caplog.messages
     assert live.held_step == 3 and exact(engine, truth[3])
     live.verify()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +27,10 @@ from lightning_delta import (
     PublisherSettings,
     Store,
     StoreError,
+    replica,
 )
 from lightning_delta import format as fmt
+from lightning_delta import loader as loader_module
 from lightning_delta.patch import StepPatch
 from tinylm import TinyLM
 
@@ -147,6 +150,42 @@ def test_a_replica_loads_group_rank_0s_newest_step_whatever_the_other_workers_li
     assert step == 4
     assert all(bitwise_equal(state[n], t) for n, t in trainer.truth[4].items())
     trainer.publisher.close()
+
+
+@pytest.fixture
+def one_worker_group() -> Iterator[dist.ProcessGroup]:
+    """A real gloo group of one worker in this process (destroyed after: a publisher would take
+    an initialised default group for its own)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replica_workers_holding_different_steps_decode_the_step_from_its_base(
+    store_url, one_worker_group, monkeypatch
+):
+    """Worker 1 of the replica (a stand-in: the held steps it reports) holds step 2 where worker 0
+    holds 3, so no one held state can check the patches both send: both decode from the base."""
+    trainer = Trainer(store_url, base_every=10)  # step 1 the base, 2 to 4 deltas
+    trainer.steps(4)
+    trainer.publisher.close()
+    loader = DeltaLoader(store_url, process_group=one_worker_group)
+    loader.state_dict(step=3)
+    assert loader.prepare(4).report.parts_read == 1  # in agreement: the delta from the step held
+
+    def worker_1_holds_step_2(mine: bytes | BaseException, group, device) -> list[bytes]:
+        got = replica.exchange_bytes(mine, group, device)
+        held_steps = isinstance(mine, bytes) and mine[:1] in (b"[", b"n")  # a list of steps, or null
+        return [*got, b"[2]"] if held_steps else got
+
+    monkeypatch.setattr(loader_module, "exchange_bytes", worker_1_holds_step_2)
+    prepared = loader.prepare(4)
+    assert prepared.report.parts_read == 4  # the base and every delta up to 4, not the step held
+    loader.write(prepared)
+    assert loader.held_step == 4
+    assert all(bitwise_equal(loader.tensors_of(prepared)[n], t) for n, t in trainer.truth[4].items())
 
 
 def test_a_lost_delta_is_skipped_and_the_follower_resyncs_at_the_next_base(store_url, caplog):
