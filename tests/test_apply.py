@@ -20,6 +20,7 @@ from fused import Engine
 from lightning_delta import ChecksumError, FormatError, apply, codec, device_walk, group, sparse_walk
 from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
+from lightning_delta.format import MAX_ELEMENTS
 from test_engine import exact, follower, publish
 from test_sparse_walk import UNCOMPRESSED, walks
 
@@ -55,8 +56,9 @@ def test_on_a_gpu_the_device_walk_leaves_a_payload_naming_a_kept_copy_to_torch()
 
 class Faulty:
     """A kernel as `device_walk` launches it (`kernel[grid](...)`), made to fail: `raises` (a
-    compile or launch error), `wrong` (a write of twice the step) or `no undo` (an undo that
-    writes nothing)."""
+    compile or launch error), `wrong` (a write of twice the step), `wrong at 3` (the same, only in
+    the variant compiled for `LOW_BYTES == 3`: a miscompile of one variant) or `no undo` (an undo
+    that writes nothing)."""
 
     def __init__(self, kernel: Any, fault: str) -> None:
         self.kernel, self.fault = kernel, fault
@@ -66,10 +68,11 @@ class Faulty:
             if self.fault == "raises":
                 raise RuntimeError("PTX compilation failed (a stand-in)")
             sign = args[-1]
-            if not kwargs["CHECK"] and self.fault in ("wrong", "no undo"):
-                if sign == -1 and self.fault == "no undo":
+            fault = "wrong" if self.fault == "wrong at 3" and kwargs["LOW_BYTES"] == 3 else self.fault
+            if not kwargs["CHECK"] and fault in ("wrong", "no undo"):
+                if sign == -1 and fault == "no undo":
                     return
-                args = (*args[:-1], 2 * sign if self.fault == "wrong" else sign)
+                args = (*args[:-1], 2 * sign if fault == "wrong" else sign)
             self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -79,6 +82,7 @@ FAULTS = {
     "raises": "the kernels raised RuntimeError: PTX compilation failed",
     "wrong": "the kernels wrote other values than torch's decoder",
     "no undo": "the kernels' undo did not restore every bit",
+    "wrong at 3": "the kernels wrote other values than torch's decoder, on a step of 8 changes",
 }
 
 
@@ -94,6 +98,17 @@ def test_the_kernels_prove_themselves_against_torch_and_say_what_failed(monkeypa
         with monkeypatch.context() as patched:
             faulty(patched, fault)
             assert said in (device_walk.prove(CPU) or ""), fault
+
+
+def test_the_proof_runs_every_variant_of_the_kernels_a_real_step_can_launch():
+    """The kernels compile apart by `LOW_BYTES` (a sparser payload reads its low bits from more
+    bytes): the proof's steps run each, so a variant that alone is wrong fails the proof
+    (`wrong at 3` above)."""
+    sizes = [(run + device_walk._PROOF_ROWS * device_walk._PROOF_COLUMNS, m) for run, m in device_walk.PROOF_CASES]
+    assert [device_walk.low_bytes(codec._low_bits(n, m)) for n, m in sizes] == list(device_walk.LOW_BYTES)
+    widest = codec._low_bits(MAX_ELEMENTS, 1)
+    assert {device_walk.low_bytes(bits) for bits in range(widest + 1)} == set(device_walk.LOW_BYTES)
+    assert all(8 * device_walk.low_bytes(bits) >= bits + 7 for bits in range(widest + 1))  # at any shift
 
 
 @pytest.mark.parametrize("fault", ["raises", "wrong"])
