@@ -84,8 +84,8 @@ def low_bytes(low_bits: int) -> int:
 class DeviceTable:
     """A segment table on the device, each row with the address of the parameter it names (flat
     int16 tensors on one device): built once per plan, read by every step's walks.  It holds no
-    parameter, only where each lies (`places`): a walk's caller checks that its targets still lie
-    there and keeps them alive while the walk's launches run (an engine holds its parameters)."""
+    parameter, only where each lies (`places`): a walk is given its targets, refuses them where they
+    no longer lie there, and holds them for its own life (its launches write them by address)."""
 
     def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
@@ -105,16 +105,20 @@ class DeviceWalk:
     """One SPARSE payload's changes applied through a `DeviceTable`: `check` or `apply`, then
     `undo` if the step must not stay.  `result` holds the status and partial sums on the device
     until the caller decides.  Its sections belong on the table's device already (copied there
-    ahead of the step, on a side stream): a copy from pageable host memory would wait."""
+    ahead of the step, on a side stream): a copy from pageable host memory would wait.  It holds
+    `targets`, which must lie where the table was built, for its own life: its launches (and an
+    `undo`) write them by address."""
 
-    def __init__(self, packed: codec.Packed, table: DeviceTable) -> None:
+    def __init__(self, packed: codec.Packed, table: DeviceTable, targets: Sequence[Tensor]) -> None:
+        if places(targets) != table.places:
+            raise ValueError("the targets do not lie where the device table was built for: build it for them")
         if packed.mode != codec.Mode.SPARSE:
             raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
         if packed.n != table.n:
             raise ValueError(f"the segment table is for payloads of {table.n} positions, not {packed.n}")
         n, m, k, low_bits, device = packed.n, packed.m, packed.k, packed.low_bits, table.device
         self._sections = _on_device(packed.sections, device)
-        self._table = table
+        self._table, self._targets = table, tuple(targets)
         high_bytes = len(self._sections[1])
         self._block = (
             _BLOCK if device.type == "cuda" else min(_INTERPRETED_BLOCK, 1 << max(7, (high_bytes - 1).bit_length()))
@@ -272,7 +276,7 @@ def _proof(device: torch.device, run: int, changes: int) -> str | None:
     before = [old[:run], old[run:].view(-1, columns)[block].reshape(-1)]
     after = [torch_path[:run], torch_path[run:].view(-1, columns)[block].reshape(-1)]
     params = [t.clone().to(device) for t in before]
-    walk = DeviceWalk(packed, DeviceTable(Segments(np.array(rows, dtype=np.int64), n), params, device))
+    walk = DeviceWalk(packed, DeviceTable(Segments(np.array(rows, dtype=np.int64), n), params, device), params)
     result = walk.apply().tolist()
     if result[0] != Status.OK or decide(result) != moved:
         return f"the kernels' status and partial sums {result} differ from torch's (status 0, a move of {moved})"
