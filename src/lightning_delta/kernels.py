@@ -10,8 +10,9 @@ only when a walk is first built.
 
 One compiled variant serves every payload of a given `LOW_BYTES` (and `CHECK`, `BLOCK`): the
 table's search runs a runtime number of rounds, and no argument is specialized on its value
-(Triton would otherwise compile apart the integers equal to 1 or divisible by 16 and the
-16-byte-aligned pointers), so the variants `device_walk.prove` runs are the ones real steps run.
+(Triton would otherwise compile apart the integers divisible by 16 and the 16-byte-aligned
+pointers), so the variants `device_walk.prove` runs are the ones real steps run (an integer of
+2**31 or more is still typed int64 by Triton: another compile, which the proof does not reach).
 """
 
 from __future__ import annotations
