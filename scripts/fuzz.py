@@ -385,7 +385,7 @@ def _kernel_case(old: torch.Tensor, new: torch.Tensor, payload: bytes) -> str:
     held = old.view(torch.int16).clone()
     whole = np.array([[0, new.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]] if new.numel() else [], dtype=np.int64)
     segments = sparse_walk.Segments(whole.reshape(-1, len(sparse_walk.SEGMENT_FIELDS)), new.numel())
-    walk = device_walk.DeviceWalk(packed, device_walk.DeviceTable(segments, [held], held.device))
+    walk = device_walk.DeviceWalk(packed, device_walk.DeviceTable(segments, [held], held.device), [held])
     status, before, after = walk.apply().tolist()
     if status:
         return "kernel refused" if decoded is None and torch.equal(held, old.view(torch.int16)) else "split"

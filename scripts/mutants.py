@@ -90,7 +90,15 @@ MUTANTS = (
         "device_walk.py",
         "            self._decode(check=False, sign=-1)\n",
         "            pass\n",
-        ("tests/test_engine.py::-k only_its_checksum and update and device",),
+        ("tests/test_apply.py::-k kernels_trusted",),  # the proof taken as passed: the undo alone
+    ),
+    Mutant(
+        "device-proof",
+        "device kernels that write other values than torch's decoder fail their proof: the follower writes with torch",
+        "device_walk.py",
+        "    if not all(torch.equal(p.cpu(), e) for p, e in zip(params, after, strict=True)):\n",
+        "    if False:\n",
+        ("tests/test_apply.py::-k fail_their_proof",),
     ),
     Mutant(
         "engine-whole-checksum",

@@ -66,7 +66,7 @@ def main() -> None:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lightning_delta").addHandler(handler)  # the engine's and its torch path's
+    logging.getLogger("lightning_delta.engine").addHandler(handler)
     report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
     report["walked"], report["on_device"] = 0, 0
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):

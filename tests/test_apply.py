@@ -16,10 +16,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from forge import MESSAGE, forge_value
 from fused import Engine
-from lightning_delta import ChecksumError, FormatError, apply, codec, device_walk, group, sparse_walk
+from lightning_delta import (
+    ChecksumError,
+    DeviceError,
+    FormatError,
+    Store,
+    apply,
+    codec,
+    device_walk,
+    group,
+    plan,
+    sparse_walk,
+)
 from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
+from lightning_delta.format import MAX_ELEMENTS
 from test_engine import exact, follower, publish
 from test_sparse_walk import UNCOMPRESSED, walks
 
@@ -55,8 +68,9 @@ def test_on_a_gpu_the_device_walk_leaves_a_payload_naming_a_kept_copy_to_torch()
 
 class Faulty:
     """A kernel as `device_walk` launches it (`kernel[grid](...)`), made to fail: `raises` (a
-    compile or launch error), `wrong` (a write of twice the step) or `no undo` (an undo that
-    writes nothing)."""
+    compile or launch error), `wrong` (a write of twice the step), `wrong at 3` (the same, only in
+    the variant compiled for `LOW_BYTES == 3`: a miscompile of one variant) or `no undo` (an undo
+    that writes nothing)."""
 
     def __init__(self, kernel: Any, fault: str) -> None:
         self.kernel, self.fault = kernel, fault
@@ -66,10 +80,11 @@ class Faulty:
             if self.fault == "raises":
                 raise RuntimeError("PTX compilation failed (a stand-in)")
             sign = args[-1]
-            if not kwargs["CHECK"] and self.fault in ("wrong", "no undo"):
-                if sign == -1 and self.fault == "no undo":
+            fault = "wrong" if self.fault == "wrong at 3" and kwargs["LOW_BYTES"] == 3 else self.fault
+            if not kwargs["CHECK"] and fault in ("wrong", "no undo"):
+                if sign == -1 and fault == "no undo":
                     return
-                args = (*args[:-1], 2 * sign if self.fault == "wrong" else sign)
+                args = (*args[:-1], 2 * sign if fault == "wrong" else sign)
             self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -79,6 +94,7 @@ FAULTS = {
     "raises": "the kernels raised RuntimeError: PTX compilation failed",
     "wrong": "the kernels wrote other values than torch's decoder",
     "no undo": "the kernels' undo did not restore every bit",
+    "wrong at 3": "the kernels wrote other values than torch's decoder, on a step of 8 changes",
 }
 
 
@@ -94,6 +110,17 @@ def test_the_kernels_prove_themselves_against_torch_and_say_what_failed(monkeypa
         with monkeypatch.context() as patched:
             faulty(patched, fault)
             assert said in (device_walk.prove(CPU) or ""), fault
+
+
+def test_the_proof_runs_every_variant_of_the_kernels_a_real_step_can_launch():
+    """The kernels compile apart by `LOW_BYTES` (a sparser payload reads its low bits from more
+    bytes): the proof's steps run each, so a variant that alone is wrong fails the proof
+    (`wrong at 3` above)."""
+    sizes = [(run + device_walk._PROOF_ROWS * device_walk._PROOF_COLUMNS, m) for run, m in device_walk.PROOF_CASES]
+    assert [device_walk.low_bytes(codec._low_bits(n, m)) for n, m in sizes] == list(device_walk.LOW_BYTES)
+    widest = codec._low_bits(MAX_ELEMENTS, 1)
+    assert {device_walk.low_bytes(bits) for bits in range(widest + 1)} == set(device_walk.LOW_BYTES)
+    assert all(8 * device_walk.low_bytes(bits) >= bits + 7 for bits in range(widest + 1))  # at any shift
 
 
 @pytest.mark.parametrize("fault", ["raises", "wrong"])
@@ -114,6 +141,63 @@ def test_kernels_that_fail_their_proof_leave_the_follower_on_torch_and_exact(sto
         prepared, _, _ = live.update(step)
         assert prepared.step == step and exact(engine, truth[step])
     assert walked == []
+
+
+def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fallback(monkeypatch):
+    """After a kernel's illegal address the context is gone: torch could not write either, so
+    the follower refuses to start rather than promise torch."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(device_walk, "prove", lambda device: "the kernels raised RuntimeError: illegal address")
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: synced.append(device))
+    assert apply.walker(ApplyBackend.DEVICE, gpu) is None and synced == [gpu]  # the context survived: torch
+
+    def broken(device: torch.device) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with pytest.raises(DeviceError, match=r"left its CUDA context broken \(RuntimeError: CUDA error.*restart"):
+        apply.walker(ApplyBackend.DEVICE, gpu)
+
+
+def test_a_worker_whose_peer_failed_the_proof_reports_torch_and_names_it(store_url, monkeypatch, caplog):
+    """The group walks only what every worker walks: where another worker's kernels failed their
+    proof (it walks nothing), this one writes with torch too, and says so and which worker."""
+    truth = publish(store_url)
+    monkeypatch.setattr(plan, "gather_json", lambda group, mine: [mine, []])  # worker 1: on torch
+    engine = Engine()
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.plan"):
+        live = follower(store_url, engine, ApplyBackend.DEVICE)
+    assert "workers [1] of the group walk no payload" in caplog.text
+    assert live.walks_with == ApplyBackend.TORCH
+    walked = []
+    monkeypatch.setattr(device_walk.DeviceWalk, "apply", lambda walk: walked.append(walk))
+    for step in (1, 2, 3):
+        live.update(step)
+        assert exact(engine, truth[step])
+    assert walked == []
+
+
+def test_a_step_the_device_walk_wrote_and_its_check_refused_is_taken_back_with_its_kernels_trusted(
+    store_url, monkeypatch
+):
+    """The undo itself, not the proof, restores the engine: with the proof taken as passed (so a
+    broken undo is not caught there first), a step whose one value only the trainer's checksum
+    catches is walked in, refused, and taken back to the last bit (`scripts/mutants.py`'s
+    device-undo)."""
+    truth = publish(store_url)
+    forge_value(Store(store_url), 3)
+    monkeypatch.setattr(device_walk, "prove", lambda device: None)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.DEVICE)
+    assert live.walks_with == ApplyBackend.DEVICE
+    live.write(live.prepare(2))
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(ChecksumError, match=f"step 3: payload 0 .*{MESSAGE}"):
+        live.update(3)
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    live.write(live.prepare(5))
+    assert exact(engine, truth[5])
 
 
 def test_a_follower_told_to_use_torch_walks_nothing(store_url, monkeypatch):
@@ -229,3 +313,16 @@ def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
     apply.apply(walker, [payload], {"w": base[:64]}.__getitem__, None)
     with pytest.raises(ValueError, match="which hold"):  # same address, fewer elements: a table of its own
         walker.walk(payload, [base[:32]])
+    # a walk, unlike its table, holds its targets: its undo writes them by address
+    target = torch.zeros(64, dtype=torch.int16)
+    held = weakref.ref(target)
+    walk = walker.walk(payload, [target])
+    walk.apply()
+    del target
+    gc.collect()
+    assert held() is not None
+    walk.undo()
+    assert not held().any()  # type: ignore[union-attr]
+    del walk
+    gc.collect()
+    assert held() is None

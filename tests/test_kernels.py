@@ -43,7 +43,7 @@ def whole(n: int) -> sparse_walk.Segments:
 
 
 def walk_of(packed: codec.Packed, segments: sparse_walk.Segments, params: list[torch.Tensor]) -> Any:
-    return device_walk.DeviceWalk(packed, device_walk.DeviceTable(segments, params, torch.device("cpu")))
+    return device_walk.DeviceWalk(packed, device_walk.DeviceTable(segments, params, torch.device("cpu")), params)
 
 
 def held_sums(
@@ -187,11 +187,16 @@ def test_a_table_or_parameters_that_do_not_fit_are_refused():
         device_walk.DeviceTable(whole(64), [torch.zeros(63, dtype=torch.int16)], cpu)
     with pytest.raises(ValueError):  # not int16
         device_walk.DeviceTable(whole(64), [torch.zeros(64, dtype=torch.float32)], cpu)
+    longer, held = [torch.zeros(65, dtype=torch.int16)], [torch.zeros(64, dtype=torch.int16)]
     with pytest.raises(ValueError):  # a table for payloads of another size
-        device_walk.DeviceWalk(packed, device_walk.DeviceTable(whole(65), [torch.zeros(65, dtype=torch.int16)], cpu))
+        device_walk.DeviceWalk(packed, device_walk.DeviceTable(whole(65), longer, cpu), longer)
     raw = codec.parse(codec.encode(None, bits(list(range(64))).view(torch.bfloat16)), 64)
     with pytest.raises(ValueError):
-        device_walk.DeviceWalk(raw, device_walk.DeviceTable(whole(64), [torch.zeros(64, dtype=torch.int16)], cpu))
+        device_walk.DeviceWalk(raw, device_walk.DeviceTable(whole(64), held, cpu), held)
+    with pytest.raises(ValueError, match="do not lie where"):  # targets other than the table's
+        device_walk.DeviceWalk(
+            packed, device_walk.DeviceTable(whole(64), held, cpu), [torch.zeros(64, dtype=torch.int16)]
+        )
 
 
 # ---------------------------------------------------------------------------------- the sync audit
@@ -312,7 +317,7 @@ def test_a_device_walk_waits_for_the_device_only_at_its_decision():
     held = old.clone()
     table = device_walk.DeviceTable(segments, [held], torch.device("cpu"))  # once per plan
     with audited() as syncs:  # the step: walk, apply, a group's sum of the results, the undo
-        walk = device_walk.DeviceWalk(packed, table)
+        walk = device_walk.DeviceWalk(packed, table, [held])
         walk.check()
         walk.undo()  # nothing applied: nothing to take back
         checked = held.clone()

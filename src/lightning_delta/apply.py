@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import codec, device_walk, sparse_walk
 from . import format as fmt
-from .errors import ChecksumError, FormatError
+from .errors import ChecksumError, DeviceError, FormatError
 from .group import sum_partials
 from .sparse_walk import Segments
 
@@ -126,7 +126,8 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
     """The walker of `backend` (None: `ApplyBackend.default`) on `device`; None for torch.
     Raises `ValueError` where the backend cannot run.  The device walk first proves its kernels on
     `device` (`device_walk.prove`): where they raise or disagree with torch's decoder, one warning
-    says what failed, and the follower writes with torch (None) for its life."""
+    says what failed, and the follower writes with torch (None) for its life; `DeviceError` where
+    the failure broke the device's CUDA context (torch could not write there either)."""
     backend = backend or ApplyBackend.default(device)
     if backend == ApplyBackend.TORCH:
         return None
@@ -141,6 +142,16 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
     if device.type == "cuda" and device.index is None:  # a table's parameters are on one device, by index
         device = torch.device("cuda", torch.cuda.current_device())
     failed = device_walk.prove(device)
+    if failed is not None and device.type == "cuda":
+        try:  # a kernel that failed may have broken the context (an illegal address): torch cannot write either
+            torch.cuda.synchronize(device)
+        except Exception as err:
+            raise DeviceError(
+                f"the device walk's Triton kernels failed their proof on {device} ({failed}) and left its CUDA "
+                f"context broken ({type(err).__name__}: {str(err)[:300]}): nothing can write there, torch "
+                "included; restart the process, with apply=ApplyBackend.TORCH (init_info apply: torch) to skip "
+                "the kernels, and please report it with your GPU, torch and triton versions"
+            ) from err
     if failed is not None:
         log.warning(
             "lightning_delta: the device walk's Triton kernels failed their proof on %s (%s): this follower writes "
@@ -274,7 +285,7 @@ class DeviceWalker:
         if table is None or table.places != device_walk.places(targets):
             table = device_walk.DeviceTable(payload.segments, targets, self.device)
             self._tables[payload.key] = table
-        return device_walk.DeviceWalk(payload.parse(), table)
+        return device_walk.DeviceWalk(payload.parse(), table, targets)
 
     def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
         if not moved:

@@ -40,7 +40,17 @@ from .checksum import checksum_at
 from .errors import FormatError
 from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
 
-__all__ = ["AVAILABLE", "RESULT_FIELDS", "DeviceTable", "DeviceWalk", "decide", "places", "prove"]
+__all__ = [
+    "AVAILABLE",
+    "LOW_BYTES",
+    "RESULT_FIELDS",
+    "DeviceTable",
+    "DeviceWalk",
+    "decide",
+    "low_bytes",
+    "places",
+    "prove",
+]
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 """Whether device walks can run here (triton importable; on the CPU only under TRITON_INTERPRET=1)."""
@@ -58,12 +68,24 @@ _WIDTH = _ADDRESS + 1
 """The device table's columns: the segment table's, then the address of the parameter a row names."""
 _MASK64 = (1 << 64) - 1
 
+LOW_BYTES = (1, 2, 3, 6)
+"""The kernels' compiled variants by the bytes a change's low bits are read from (`low_bytes`):
+each proved apart, since a compiler may get one wrong and not another."""
+
+
+def low_bytes(low_bits: int) -> int:
+    """The variant of `LOW_BYTES` whose reads hold `low_bits` bits at any shift in their first
+    byte: 1 to 3 as the bits need (their exact fit: up to 1 change in 2**19 positions), then 6,
+    which holds the widest (39 bits: 2**40 elements, `format.MAX_ELEMENTS`)."""
+    needed = (7 + low_bits + 7) // 8
+    return next(v for v in LOW_BYTES if v >= needed)
+
 
 class DeviceTable:
     """A segment table on the device, each row with the address of the parameter it names (flat
     int16 tensors on one device): built once per plan, read by every step's walks.  It holds no
-    parameter, only where each lies (`places`): a walk's caller checks that its targets still lie
-    there and keeps them alive while the walk's launches run (an engine holds its parameters)."""
+    parameter, only where each lies (`places`): a walk is given its targets, refuses them where they
+    no longer lie there, and holds them for its own life (its launches write them by address)."""
 
     def __init__(self, segments: Segments, params: Sequence[Tensor], device: torch.device) -> None:
         if any(p.dtype != torch.int16 or p.dim() != 1 or not p.is_contiguous() or p.device != device for p in params):
@@ -83,22 +105,26 @@ class DeviceWalk:
     """One SPARSE payload's changes applied through a `DeviceTable`: `check` or `apply`, then
     `undo` if the step must not stay.  `result` holds the status and partial sums on the device
     until the caller decides.  Its sections belong on the table's device already (copied there
-    ahead of the step, on a side stream): a copy from pageable host memory would wait."""
+    ahead of the step, on a side stream): a copy from pageable host memory would wait.  It holds
+    `targets`, which must lie where the table was built, for its own life: its launches (and an
+    `undo`) write them by address."""
 
-    def __init__(self, packed: codec.Packed, table: DeviceTable) -> None:
+    def __init__(self, packed: codec.Packed, table: DeviceTable, targets: Sequence[Tensor]) -> None:
+        if places(targets) != table.places:
+            raise ValueError("the targets do not lie where the device table was built for: build it for them")
         if packed.mode != codec.Mode.SPARSE:
             raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
         if packed.n != table.n:
             raise ValueError(f"the segment table is for payloads of {table.n} positions, not {packed.n}")
         n, m, k, low_bits, device = packed.n, packed.m, packed.k, packed.low_bits, table.device
         self._sections = _on_device(packed.sections, device)
-        self._table = table
+        self._table, self._targets = table, tuple(targets)
         high_bytes = len(self._sections[1])
         self._block = (
             _BLOCK if device.type == "cuda" else min(_INTERPRETED_BLOCK, 1 << max(7, (high_bytes - 1).bit_length()))
         )
         self._blocks = -(-high_bytes // self._block)
-        self._low_bytes = (7 + low_bits + 7) // 8  # a change's low bits, at any shift in its first byte
+        self._low_bytes = low_bytes(low_bits)
         flag_size = len(self._sections[2])
         self._fields = (n, m, k, low_bits, codec._high_len(n, m, low_bits), len(self._sections[0]), flag_size)
         self._counts = torch.empty(1 + self._blocks + flag_size, dtype=torch.int64, device=device)
@@ -153,9 +179,9 @@ class DeviceWalk:
             self._touched,
             *self._fields,
             len(self._table.names),
+            len(self._table.names).bit_length(),
             sign,
             CHECK=check,
-            SEARCH=len(self._table.names).bit_length(),
             LOW_BYTES=self._low_bytes,
             BLOCK=self._block,
             WIDTH=_WIDTH,
@@ -189,28 +215,41 @@ def decide(result: Sequence[int]) -> int:
 
 
 _PROOF_ROWS, _PROOF_COLUMNS = 256, 128
-"""The proof's synthetic payload: a run of 4096 positions, then a 256 x 128 tensor of which the
-worker holds a block of rows 8-23 and columns 32-95, as a tensor-parallel worker does; its high
-bits span several of a GPU's blocks, so that ranks carry from block to block."""
+"""The proof's synthetic tensor: 256 x 128, after a run, of which the worker holds a block of rows
+8-23 and columns 32-95, as a tensor-parallel worker does."""
+PROOF_CASES = ((4096, 7373), (4096, 1843), (4096, 8), (1 << 20, 2))
+"""The proof's payloads, (run, changes) over the run and the tensor: one per `LOW_BYTES` variant
+(1 change in 5 positions: 1 byte; 1 in 20: 2; 1 in 4,608: 3; 1 in 540,672: 6), the densest with
+high bits over several of a GPU's blocks, so that ranks carry from block to block."""
 
 
 def prove(device: torch.device) -> str | None:
-    """Run the kernels once on `device` over a small synthetic step (a run and a 2-D block, changes
-    of every kind: unit, planar, both signs, the widest) and compare them bit for bit with torch's
-    decoder: the values written, the partial sums, and the undo.  None where they agree; else what
-    failed (a compile, a launch, a device the kernels do not support, a wrong value), for the
-    caller to fall back to torch before anything of the engine's is written."""
+    """Run the kernels on `device` over small synthetic steps (`PROOF_CASES`: a run and a 2-D block,
+    changes of every kind: unit, planar, both signs, the widest) and compare them bit for bit with
+    torch's decoder: the values written, the partial sums, and the undo.  None where they agree;
+    else what failed (a compile, a launch, a device the kernels do not support, a wrong value), for
+    the caller to fall back to torch before anything of the engine's is written.
+
+    What it covers: every compiled variant a real step launches on this device (`check` and write,
+    each `LOW_BYTES`, the device's block; the search's rounds are a runtime bound and no argument is
+    specialized on its value or alignment, `kernels`), over blocks, a run and a 2-D slice.  What it
+    cannot: a payload of 2**31 positions or more (Triton types its integers int64, another compile),
+    and a fault that depends on values or addresses the proof's steps do not hold."""
     try:
-        return _proof(device)
+        for run, changes in PROOF_CASES:
+            failed = _proof(device, run, changes)
+            if failed is not None:
+                return f"{failed}, on a step of {changes} changes in {run + _PROOF_ROWS * _PROOF_COLUMNS} positions"
+        return None
     except Exception as err:  # whatever it is, the kernels are not to be trusted here
         return f"the kernels raised {type(err).__name__}: {str(err)[:300]}"
 
 
-def _proof(device: torch.device) -> str | None:
+def _proof(device: torch.device, run: int, changes: int) -> str | None:
     g = torch.Generator().manual_seed(36)
-    run, n = 4096, 4096 + _PROOF_ROWS * _PROOF_COLUMNS
+    n = run + _PROOF_ROWS * _PROOF_COLUMNS
     old = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16)
-    index = torch.randperm(n, generator=g)[: n // 20].sort().values
+    index = torch.randperm(n, generator=g)[:changes].sort().values
     step = torch.randint(1, 5, (index.numel(),), generator=g, dtype=torch.int16)
     step[::7] = torch.randint(1, 32768, step[::7].shape, generator=g, dtype=torch.int16)
     step[::3] = -step[::3]
@@ -237,7 +276,7 @@ def _proof(device: torch.device) -> str | None:
     before = [old[:run], old[run:].view(-1, columns)[block].reshape(-1)]
     after = [torch_path[:run], torch_path[run:].view(-1, columns)[block].reshape(-1)]
     params = [t.clone().to(device) for t in before]
-    walk = DeviceWalk(packed, DeviceTable(Segments(np.array(rows, dtype=np.int64), n), params, device))
+    walk = DeviceWalk(packed, DeviceTable(Segments(np.array(rows, dtype=np.int64), n), params, device), params)
     result = walk.apply().tolist()
     if result[0] != Status.OK or decide(result) != moved:
         return f"the kernels' status and partial sums {result} differ from torch's (status 0, a move of {moved})"

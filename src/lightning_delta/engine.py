@@ -106,7 +106,11 @@ class EngineFollower:
         stop_seconds: how long stopping the prefetcher waits for it (it may be fetching a step, or
             waiting in a collective for a worker that is gone) before `PrefetchTimeoutError`.
         apply: what writes the SPARSE payloads of a step in sync (`apply.ApplyBackend`; None: the
-            CPU walk on the CPU, the device walk on a GPU, where they can run).
+            CPU walk on the CPU, the device walk on a GPU, where they can run, else torch).  The
+            device walk's kernels first prove themselves on the device: where they fail, on this
+            worker or another of the group, the follower writes with torch for its life
+            (`walks_with` says which writes), or raises `DeviceError` where the failure broke the
+            device's CUDA context.
 
     Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
     reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
@@ -175,8 +179,9 @@ class EngineFollower:
     @property
     def walks_with(self) -> ApplyBackend:
         """What writes this worker's SPARSE payloads in sync: `ApplyBackend.TORCH` too where the
-        device walk's kernels failed their proof (`apply.walker`)."""
-        return walks.backend_of(self._walker)
+        device walk's kernels failed their proof (`apply.walker`) on this worker or on another of
+        the group (which then walks nothing: `plan.segment_tables`)."""
+        return walks.backend_of(self._walker) if self._segments else ApplyBackend.TORCH
 
     @property
     def held_step(self) -> int | None:

@@ -11,6 +11,7 @@ __all__ = [
     "ChecksumError",
     "ConflictError",
     "DeltaError",
+    "DeviceError",
     "FormatError",
     "MissingObjectError",
     "ModelMismatchError",
@@ -86,6 +87,10 @@ class UnsupportedStrategyError(DeltaError, TypeError):
 
 class PublishError(DeltaError, RuntimeError):
     """A background upload failed; raised on the trainer's next publish or at close."""
+
+
+class DeviceError(DeltaError, RuntimeError):
+    """The device cannot be written at all (its CUDA context failed): restart the process."""
 
 
 def by_name(name: str) -> type[DeltaError]:

@@ -7,6 +7,12 @@ alone.  The checks are local too: positions ascend within a bucket (`b - 1` set)
 bits and across buckets by construction, and the rank of a change larger than one is its rank
 less the unit flags set before it.  Importing this module imports triton; `device_walk` does so
 only when a walk is first built.
+
+One compiled variant serves every payload of a given `LOW_BYTES` (and `CHECK`, `BLOCK`): the
+table's search runs a runtime number of rounds, and no argument is specialized on its value
+(Triton would otherwise compile apart the integers divisible by 16 and the 16-byte-aligned
+pointers), so the variants `device_walk.prove` runs are the ones real steps run (an integer of
+2**31 or more is still typed int64 by Triton: another compile, which the proof does not reach).
 """
 
 from __future__ import annotations
@@ -45,7 +51,14 @@ def _low_at(low, i, low_bits, low_size, mask, LOW_BYTES: tl.constexpr):
     return (word >> (at & 7)) & ((tl.zeros_like(i) + 1 << low_bits) - 1)
 
 
-@triton.jit
+_COUNT_ARGS = ("high", "unit", "counts", "m", "high_bits", "result")
+_DECODE_ARGS = (
+    *("low", "high", "unit", "positive", "planes", "ranks", "table", "result", "touched"),
+    *("n", "m", "k", "low_bits", "high_bits", "low_size", "flag_size", "rows", "search", "sign"),
+)
+
+
+@triton.jit(do_not_specialize=_COUNT_ARGS, do_not_specialize_on_alignment=_COUNT_ARGS)
 def count(high, unit, counts, m, high_bits, result, BLOCK: tl.constexpr):
     """`counts[1 + b]`: the high bits set in block `b` (below `high_bits`: the last byte's padding
     is no change); `counts[1 + blocks + j]`: the unit flags set in byte `j` (of the first `m`).
@@ -65,7 +78,7 @@ def count(high, unit, counts, m, high_bits, result, BLOCK: tl.constexpr):
     tl.store(counts + first, tl.zeros_like(first).to(tl.int64), mask=first < mine - 2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DECODE_ARGS, do_not_specialize_on_alignment=_DECODE_ARGS)
 def decode(
     low,
     high,
@@ -84,9 +97,9 @@ def decode(
     low_size,
     flag_size,
     rows,
+    search,
     sign,
     CHECK: tl.constexpr,
-    SEARCH: tl.constexpr,
     LOW_BYTES: tl.constexpr,
     BLOCK: tl.constexpr,
     WIDTH: tl.constexpr,
@@ -129,7 +142,7 @@ def decode(
 
     lo = tl.zeros_like(p)  # the last row whose `lo` is at most p: rows past it hold more
     hi = tl.zeros_like(p) + rows
-    for _ in tl.static_range(SEARCH):
+    for _ in range(search):  # rounds of the binary search over `rows` rows
         mid = (lo + hi) >> 1
         go = live & (lo < hi)
         right = tl.load(table + mid * WIDTH, mask=go, other=0) <= p

@@ -10,6 +10,7 @@ a payload is walked only where every worker has a table for it and its walker ta
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -22,6 +23,8 @@ from .patch import PayloadView
 from .viewmap import ViewMap
 
 __all__ = ["Table", "segment_table", "segment_tables"]
+
+log = logging.getLogger(__name__)
 
 Table = tuple[sparse_walk.Segments, list[str | int]]
 """A payload's segment table and the arrays its rows name: a parameter by name, or the kept copy
@@ -53,8 +56,15 @@ def segment_tables(
     except Exception as err:
         mine = err
     walkable = set(tables)
-    for theirs in gather_json(group, mine):
-        walkable &= {(trainer, i) for trainer, i in theirs}
+    theirs = gather_json(group, mine)
+    for listed in theirs:
+        walkable &= {(trainer, i) for trainer, i in listed}
+    if tables and not walkable:
+        log.warning(
+            "lightning_delta: workers %s of the group walk no payload (no walker there: a device walk that failed its "
+            "proof says so in that worker's log): every worker writes with torch (exact, slower)",
+            [worker for worker, listed in enumerate(theirs) if not listed],
+        )
     return {key: tables[key] for key in sorted(walkable)}
 
 

@@ -32,7 +32,8 @@ from .viewmap import Box, ViewMap
 
 __all__ = ["Agreed", "PayloadPatch", "TorchPath", "flat_bits"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning_delta.engine")
+"""The engine follower's logger: its warnings (a CLASSED payload in a group) are filtered by that name."""
 
 _MASK64 = (1 << 64) - 1
 

@@ -164,8 +164,9 @@ class DeltaInitInfo(WeightTransferInitInfo):
     the trainer's that `check_probe` accepts (None: `check_probe` refuses to run)."""
     apply: str | None = None
     """What writes a step's SPARSE payloads (`apply.ApplyBackend`): cpu_walk, device or torch (None:
-    the CPU walk on the CPU; on a GPU the device walk's Triton kernels, which prove themselves on
-    the GPU first and leave the follower on torch where they fail).  torch is the way out where the
+    the CPU walk on the CPU where numba is installed, else torch; on a GPU the device walk's Triton
+    kernels where triton is installed, else torch; the kernels prove themselves on the GPU first
+    and leave the follower on torch where they fail, on any worker of the group).  torch is the way out where the
     kernels misbehave on a GPU, or to compare."""
 
 
