@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from conftest import replace_blob
 from fused import Engine
-from lightning_delta import DeltaError, Store, device_walk, replica, sparse_walk, torch_path
+from lightning_delta import DeltaError, DeviceError, Store, device_walk, replica, sparse_walk, torch_path
 from lightning_delta import apply as walkers
 from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
@@ -62,12 +62,26 @@ def main() -> None:
             engine.load_weights(name, tensor)
 
     params = lambda: dict(engine.named_parameters())  # noqa: E731
+    report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
+    if apply == ApplyBackend.DEVICE:  # worker 1's proof broke its device: both workers raise, none waits
+        made = walkers.walker
+
+        def broken(backend: Any, device: torch.device) -> Any:
+            if rank == 1:
+                raise DeviceError("the kernels' proof broke this worker's device (a stand-in)")
+            return made(backend, device)
+
+        walkers.walker = broken  # type: ignore[assignment]
+        try:
+            EngineFollower(store, view_map, params, reload, group=dist.group.WORLD, apply=apply)
+        except DeltaError as err:
+            report["init"] = [type(err).__name__, str(err)]
+        walkers.walker = made
     follower = EngineFollower(store, view_map, params, reload, group=dist.group.WORLD, apply=apply)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("lightning_delta.engine").addHandler(handler)
-    report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
     report["walked"], report["on_device"] = 0, 0
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
 

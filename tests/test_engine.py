@@ -678,6 +678,9 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
         assert report["on_device"] == (sum(walked.values()) if apply == ApplyBackend.DEVICE else 0)
         if apply == ApplyBackend.DEVICE:  # step 3 under the sync audit: nothing waited before the decision
             assert report["waits_before_decision"] == [] and report["host_exchange_reads"] > 0
+            # a proof that broke worker 1's device alone: both workers raise its error at start
+            kind, said = report["init"]
+            assert kind == "DeviceError" and said.endswith("the kernels' proof broke this worker's device (a stand-in)")
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]

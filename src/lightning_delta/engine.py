@@ -131,12 +131,14 @@ class EngineFollower:
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
-        self._walker = walks.walker(apply, self.device)  # the same settings on every worker: raises on all
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self._reader = ChainReader(store)
+        self._walker: walks.Walker | None = None
         mine: dict[str, list[list[list[int]]]] | Exception
         try:  # a worker that fails here still joins the group's first collective, with its error
+            # (the kernels' proof runs on this worker's device alone: a DeviceError is this worker's)
+            self._walker = walks.walker(apply, self.device)
             run = store.run()
             self.run = run
             self._names = [t.name for t in run.manifest.tensors]
