@@ -166,21 +166,23 @@ def test_each_source_object_is_read_once_across_passes():
             mirror.sync()
         assert_loads(mirror.destination, truth, list(range(1, 10)))
     read = +watched.reads  # objects read (a GET of a step not there yet reads nothing)
-    assert set(read) == set(shared.objects) and set(read.values()) == {1}
+    assert set(read) == set(shared.objects)  # every object, each byte once (a base read ahead: in
+    assert set(read.values()) == {1, 2}  # two ranges, cut at a delta's size, then the rest)
     assert mirror.metrics.bytes_read == sum(len(v) for v in shared.objects.values())
 
 
 @contextlib.contextmanager
-def _following() -> Iterator[tuple[Callable[[int], None], Mirror, Recording, dict]]:
-    """A trainer publishing the steps asked for (one base, then deltas) and a mirror of it that
-    lists rarely: `publish(step)`, the mirror, its recorded view of the source, the truth."""
+def _following(base_every: int = 1000) -> Iterator[tuple[Callable[[int], None], Mirror, Recording, dict]]:
+    """A trainer publishing the steps asked for (a base every `base_every`, deltas between) and a
+    mirror of it that lists rarely: `publish(step)`, the mirror, its recorded view of the source,
+    the truth."""
     shared = DictObjects()
     watched = Recording("dict://home", shared.objects)  # the mirror's view of the source
     torch.manual_seed(0)
     model = TinyLM()
     truth: dict = {}
     with (
-        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=1000)) as publisher,
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=base_every)) as publisher,
         Mirror(Store(watched), Store(DictObjects()), MirrorSettings(list_seconds=1000)) as mirror,
     ):
 
@@ -261,6 +263,33 @@ def test_a_blob_read_with_its_marker_is_read_once_and_checked_before_it_is_writt
         assert mirror.sync().mirror_step == 4
         read = +watched.reads
         assert read.pop(key) == 3 and set(read.values()) == {1}  # the damaged blob: each pass until healed
+    assert_loads(mirror.destination, truth, [1, 2, 3, 4])
+
+
+def test_a_base_read_with_its_marker_is_cut_at_a_deltas_size_and_its_rest_read_after_the_marker():
+    """A mirror holds no whole base unchecked: a blob read ahead is cut at the rank's largest delta
+    (a quarter more), so a base's rest is read once its marker says what it must be."""
+    with _following(base_every=3) as (publish, mirror, watched, truth):
+        got: list[tuple[str, int]] = []
+        get = watched.get
+
+        def recorded(key: str, start: int = 0, end: int | None = None) -> bytes | None:
+            data = get(key, start, end)
+            got.append((key, -1 if data is None else len(data)))
+            return data
+
+        watched.get = recorded  # type: ignore[method-assign]
+        for step in (1, 2, 3):
+            publish(step)
+        assert mirror.sync().mirror_step == 3
+        deltas = [n for k, n in got if k in (fmt.blob_path(2, 0, 1), fmt.blob_path(3, 0, 1))]
+        publish(4)  # a base
+        blob = fmt.blob_path(4, 0, 1)
+        assert mirror.sync().mirror_step == 4
+        reads = [n for k, n in got if k == blob]
+        size = len(watched.objects[blob])
+        assert size > max(deltas) * 5 // 4 + 4097  # else the bound would not cut it
+        assert reads == [max(deltas) * 5 // 4 + 4097, size - reads[0]]  # cut, then the rest: read once
     assert_loads(mirror.destination, truth, [1, 2, 3, 4])
 
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from . import format as fmt
 from .cadence import Cadence
-from .errors import ChecksumError, ConflictError, FormatError, SignatureError
+from .errors import ChecksumError, ConflictError, FormatError, SignatureError, StoreError
 from .retention import cutoff, delete_steps
 from .signing import Trust
 from .store import Store, as_store
@@ -76,8 +76,9 @@ class MirrorSettings:
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
     round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
-    per marker.  A blob read before its marker is held (at most the largest part seen of its rank,
-    a quarter more) until the marker is read and checks it."""
+    per marker.  A blob read before its marker is held (at most the largest delta seen of its rank,
+    a quarter more: a base's rest is read once its marker is) until the marker is read and checks
+    it."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -207,7 +208,7 @@ class Mirror:
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
         self._cadence = Cadence()
         self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
-        self._largest: dict[int, int] = {}  # rank -> its largest part seen: what a blob read ahead may be
+        self._largest: dict[int, int] = {}  # rank -> its largest delta seen: what a blob read ahead may be
         self._missed = False  # the last pass looked for the next step and did not find it
         self._beat_at: float | None = None  # when the heartbeat was last relayed
 
@@ -409,10 +410,14 @@ class Mirror:
     def _read_ahead(self, part: _Part) -> None:
         """`part`'s blob, read before its marker says what it must be (a thread's job), and held
         until `_prepare` checks it, so that it is read once.  Read with a bound (the rank's largest
-        part seen, a quarter more); the rest of a longer one is read once its marker gives the size."""
+        delta seen, a quarter more: a mirror never holds a whole base unchecked); the rest of a
+        longer one is read once its marker gives the size."""
         with self._lock:
             bound = self._largest[part.rank] * 5 // 4 + 4096
-        data = self._read(part.blob_key, bound)
+        try:
+            data = self._read(part.blob_key, bound)
+        except StoreError:  # not needed yet: read after its marker, whose error then counts
+            return
         if data is not None:
             with self._lock:
                 self._ahead[part] = (data, bound)
@@ -424,7 +429,7 @@ class Mirror:
             data, bound = self._ahead.pop(part, (None, 0))
         if data is None:
             return self._read(part.blob_key, marker.size)
-        if len(data) > bound and marker.size > bound:  # cut at its bound: the rest of it
+        if len(data) > bound and marker.size > len(data):  # cut at its bound: the rest of it
             rest = self._read(part.blob_key, marker.size, start=len(data))
             return None if rest is None else data + rest
         return data  # whole (or longer than its marker says: damage, which the check finds)
@@ -504,7 +509,7 @@ class Mirror:
             return _Stop(part.marker_key, str(err), damaged=True)
         with self._lock:
             self._markers[part.marker_key] = data
-            if not part.bridge:
+            if marker.kind == fmt.Kind.DELTA and not part.bridge:  # a base read ahead is cut at a delta's size
                 self._largest[part.rank] = max(marker.size, self._largest.get(part.rank, 0))
             checked = part.blob_key in self._checked
             there = part.marker_key in self._checked
