@@ -766,3 +766,37 @@ def test_a_mirror_needs_no_key_and_with_keys_copies_only_the_trainers_steps(tmp_
     foreign = Mirror(real, str(tmp_path / "other"), trust=Trust.of([keys["attacker"] + ".pub"]))
     with foreign, pytest.raises(SignatureError, match="not among"):
         foreign.sync()
+
+
+def test_a_mirror_that_finds_every_step_by_its_names_still_relays_the_heartbeat(tmp_path, keys, monkeypatch):
+    """A paced mirror finds each step at its first poll, so every pass copies one: the heartbeat is
+    still relayed once a usual step gap, after the step's markers, or a signed run's followers of
+    the mirror would see it stale between listings."""
+    from lightning_delta import Mirror, MirrorSettings
+    from lightning_delta import mirror as mirror_module
+
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    home, region = str(tmp_path / "home"), str(tmp_path / "region")
+    tensors = weights()
+    settings = PublisherSettings(base_every=100, signing_key=keys["trainer"])
+    with (
+        DeltaPublisher(home, tensors, settings) as publisher,
+        Mirror(home, region, MirrorSettings(list_seconds=1e9)) as mirror,
+    ):
+        for step in range(1, 7):
+            tensors["a"][step] = float(step)
+            publisher.publish(step)
+            publisher.flush()
+            deadline = time.monotonic() + 120  # the heartbeat follows the commit on rank 0's thread
+            while fmt.decode_heartbeat(_read(home, fmt.HEARTBEAT)).step != step:
+                assert time.monotonic() < deadline, "the trainer's heartbeat never named the step"
+                time.sleep(0.01)
+            clock[0] += 1.0
+            metrics = mirror.sync()
+            assert metrics.mirror_step == step
+            if step == 2:
+                listed = metrics.listings
+            if step >= 3:  # found by its names, at the first poll: no listing relays it
+                assert metrics.listings == listed
+                assert fmt.decode_heartbeat(_read(region, fmt.HEARTBEAT)).step == step

@@ -289,8 +289,10 @@ class Mirror:
             return
         if mirrored_base:
             self._retain(None, mirrored_base)
-        if not copied:  # never in a step's path; about once a step (a paused trainer's stays fresh)
-            self._relay_heartbeat(throttled=True)
+        # about once a step, after its markers (never in its path), whether or not the pass copied
+        # one: a mirror that finds every step at its first poll still relays (and a paused trainer's
+        # heartbeat stays fresh)
+        self._relay_heartbeat(throttled=True)
         self._stopped = stopped
         self._update(stopped)
 
