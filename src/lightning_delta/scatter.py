@@ -8,9 +8,12 @@ worker that read a part decompresses it alone, walks its own slices (`whole_walk
 gathers for each peer the elements the peer's segment table holds, in the order the peer's walk
 visits them (`WholeWalk.gather`, 2 bytes each); the peer writes them (`whole_walk.Scattered`) and
 hashes the ones it owns as its own walk would have, so the group's sum of the owned shares still
-checks what every worker wrote, the transfer included.  At TP=t a worker receives about N/t
-elements, not every compressed part, however large t is.  (Broadcasting the decoded planes would
-keep the walk as it was, at 1.5x the compressed bytes, but send every worker everything.)
+checks every owned element, the transfer included.  (A replicated element, or a kept copy of a
+refused tensor, written by a worker that does not own it is not hashed there: as before, when it
+decoded its own copy, it rests on the decode, here on the gather's order.)  At TP=t a worker
+receives about N/t elements, not every compressed part, however large t is.  (Broadcasting the
+decoded planes would keep the walk as it was, at 1.5x the compressed bytes, but send every worker
+everything.)
 
 Gloo has no all_to_all, and a worker must not wait in a send for a peer that failed before it:
 `agree` first exchanges every worker's outcome (any failure raises the same `DeltaError` on all),
