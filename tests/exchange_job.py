@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import jobs
 from lightning_delta import DeltaError, FormatError, StoreError
 from lightning_delta.replica import exchange
 
@@ -45,3 +46,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import fused
+import jobs
 from conftest import replace_blob
 from lightning_delta import DeltaError, Store, whole_walk
 from lightning_delta import format as fmt
@@ -136,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    jobs.end()
