@@ -19,7 +19,6 @@ test's timeout fails.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -121,9 +120,7 @@ def main() -> None:
     case("then", lambda: follower.update(4))
     report["then_exact"] = exact(4)
     report["classed"] = Mode.CLASSED.name in report["modes"]
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(out, rank, report)
 
 
 if __name__ == "__main__":

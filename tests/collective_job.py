@@ -26,7 +26,6 @@ enough to travel alone ("many").
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -274,9 +273,7 @@ def main() -> None:
                 for r, got in enumerate(received)
             )
         )
-    with open(os.path.join(work, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(work, rank, report)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ and takes the walk back when the group's check fails.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import sys
@@ -34,7 +33,7 @@ from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import Context
 from lightning_delta.engine import EngineFollower, EngineStep
-from lightning_delta.viewmap import ViewMap
+from test_engine import follower as following
 from test_engine import publish
 
 
@@ -54,15 +53,7 @@ def main() -> None:
     dist.barrier()
     torch_path._CHUNK = 64  # a step in sync in many chunks of changes, each checked, then written
     engine = Engine(rank, size)
-    specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
-    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
-
-    def reload(tensors: dict[str, torch.Tensor]) -> None:
-        for name, tensor in tensors.items():
-            engine.load_weights(name, tensor)
-
-    params = lambda: dict(engine.named_parameters())  # noqa: E731
-    report: dict = {"exact": [], "parts": [], "errors": [], "untouched": [], "refused": sorted(view_map.refused)}
+    report: dict = {"exact": [], "parts": [], "errors": [], "untouched": []}
     if apply == ApplyBackend.DEVICE:  # worker 1's proof broke its device: both workers raise, none waits
         made = walkers.walker
 
@@ -73,11 +64,12 @@ def main() -> None:
 
         walkers.walker = broken  # type: ignore[assignment]
         try:
-            EngineFollower(store, view_map, params, reload, group=dist.group.WORLD, apply=apply)
+            following(store_url, engine, apply, group=dist.group.WORLD)
         except DeltaError as err:
             report["init"] = [type(err).__name__, str(err)]
         walkers.walker = made
-    follower = EngineFollower(store, view_map, params, reload, group=dist.group.WORLD, apply=apply)
+    follower = following(store_url, engine, apply, group=dist.group.WORLD)
+    report["refused"] = sorted(follower.map.refused)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
@@ -121,9 +113,7 @@ def main() -> None:
     except DeltaError as err:
         report["tampered"] = type(err).__name__
     report["warned"] = sum("exponent context" in w for w in warnings)
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(out, rank, report)
 
 
 def host_only(at: str) -> bool:

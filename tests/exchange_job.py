@@ -7,8 +7,6 @@ Each rank writes WORKDIR/rank-R.json: per case, the error type it raised and its
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
@@ -39,9 +37,7 @@ def main() -> None:
         "zero": outcome([FormatError("part is truncated"), fine, StoreError("the endpoint is unreachable")][rank]),
         "then": outcome(fine),  # no rank is left behind: the next exchange meets every rank
     }
-    with open(os.path.join(work, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(work, rank, report)
 
 
 if __name__ == "__main__":

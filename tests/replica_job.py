@@ -14,7 +14,6 @@ workers must refuse it by the trainer's checksum.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -180,9 +179,7 @@ def main() -> None:
         break
     report["modules"] = modules(store, truth, rank)
     report["forged"] = forged(store, rank)
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(out, rank, report)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ each failed load and the step held after it, and the trainer ranks whose payload
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -35,7 +34,7 @@ from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
 from lightning_delta.engine import EngineFollower
 from lightning_delta.publisher import DeltaPublisher, PublisherSettings
-from lightning_delta.viewmap import ViewMap
+from test_engine import follower as following
 
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
 
@@ -74,15 +73,7 @@ def main() -> None:
         replace_blob(store, 5, 1, 2, bytes(blob))
     dist.barrier()
     engine = fused.Engine(rank, size)
-    specs = {t.name: (t.shape, torch.bfloat16) for t in store.run().manifest.tensors}
-    view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
-
-    def reload(tensors: dict[str, torch.Tensor]) -> None:
-        for name, tensor in tensors.items():
-            engine.load_weights(name, tensor)
-
-    params = lambda: dict(engine.named_parameters())  # noqa: E731
-    follower = EngineFollower(store, view_map, params, reload, group=dist.group.WORLD)
+    follower = following(store_url, engine, group=dist.group.WORLD)
     report: dict[str, Any] = {"exact": [], "errors": [], "messages": [], "decoded": set()}
     walk_whole = EngineFollower._walk_whole
 
@@ -130,9 +121,7 @@ def main() -> None:
     whole_walk.WholeWalk.gather = gather  # type: ignore[method-assign]
     load(7)
     report["decoded"] = sorted(report["decoded"])
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    jobs.report(out, rank, report)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import ROOT, replace_blob, torchrun
 from forge import MESSAGE, forge_value
@@ -60,7 +61,10 @@ def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, to
     return truth
 
 
-def follower(url: str, engine: Engine, apply: ApplyBackend | None = None) -> EngineFollower:
+def follower(
+    url: str, engine: Engine, apply: ApplyBackend | None = None, group: dist.ProcessGroup | None = None
+) -> EngineFollower:
+    """A follower of `url` writing into `engine` (one worker of `group`, if any), as a backend makes it."""
     store = Store(url)
     specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
@@ -71,7 +75,7 @@ def follower(url: str, engine: Engine, apply: ApplyBackend | None = None) -> Eng
 
     device = engine.qkv.device
     params = lambda: dict(engine.named_parameters())  # noqa: E731
-    return EngineFollower(store, view_map, params, reload, device=device, apply=apply)
+    return EngineFollower(store, view_map, params, reload, group=group, device=device, apply=apply)
 
 
 BACKENDS = ["walk", "torch", "device"]
