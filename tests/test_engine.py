@@ -313,8 +313,7 @@ def test_a_prefetched_step_is_checked_again_before_its_write_and_loaded_from_its
     live = follower(store_url, engine)
     live.update(STEPS - 1)
     live.prefetch(0.01)
-    assert live._prefetch is not None
-    live._prefetch[0].join(60)  # step 8 verified ahead, against step 7's weights
+    assert live.prefetcher.join(60)  # step 8 verified ahead, against step 7's weights
     q7, q8 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (STEPS - 1, STEPS))
     # its lowest mantissa bit: the exponent classes the CLASSED payload was made against stay
     engine.qkv.data.view(torch.int16).view(-1)[int((q8 != q7).nonzero()[0])] ^= 1

@@ -48,6 +48,7 @@ from .apply import ApplyBackend
 from .errors import ChainError, ChecksumError, DeltaError, ModelMismatchError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
 from .patch import LoadReport, RankState, views
+from .prefetch import Prefetcher, PrefetchTimeoutError
 from .reader import ChainReader
 from .replica import exchange, exchange_bytes
 from .store import Store
@@ -60,11 +61,6 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
-
-
-class PrefetchTimeoutError(DeltaError, TimeoutError):
-    """The background prefetcher did not stop in time: the follower waits for it before it uses
-    the group again."""
 
 
 class _HeldDiffers(ChainError):
@@ -165,8 +161,8 @@ class EngineFollower:
             self._peers = scatter.peer_tables(self._segments, self.group)
         self._held: list[RankState] | None = None
         self._generation = 0
-        self._prefetch: tuple[threading.Thread, threading.Event, list[Any]] | None = None
-        self._ready: EngineStep | None = None  # what a stopped prefetcher prepared
+        self.prefetcher = Prefetcher[EngineStep](self.device, store.url)
+        """The background preparation of the next step (`prefetch`)."""
         self.stop_seconds = stop_seconds
 
     # ------------------------------------------------------------------ facts
@@ -711,51 +707,29 @@ class EngineFollower:
     def prefetch(self, poll_seconds: float) -> None:
         """Start fetching, decoding and verifying the next newer step in the background, so that
         `take` only writes it (every worker of the group must call this together)."""
-        self._stop_prefetch()
-        stop, result = threading.Event(), list[EngineStep | Exception]()
+        held = self.held_step
 
-        def run() -> None:
-            held = self.held_step
-            try:
-                while True:
-                    choice: int | Exception
-                    try:  # a store error here must reach the decision, or the others wait in it
-                        steps = self._reader.steps(after=held)
-                        choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
-                    except Exception as err:
-                        choice = err
-                    decided = self._decide(choice)
-                    if _STOP in decided:
-                        return
-                    if decided[0] != _NONE:
-                        result.append(self.prepare(decided[0]))
-                        return
-                    stop.wait(poll_seconds)
-            except Exception as err:  # kept for `take`, which prepares again and raises it there
-                result.append(err)
+        def next_step(stop: threading.Event) -> EngineStep | None:
+            while True:
+                choice: int | Exception
+                try:  # a store error here must reach the decision, or the others wait in it
+                    steps = self._reader.steps(after=held)
+                    choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
+                except Exception as err:
+                    choice = err
+                decided = self._decide(choice)
+                if _STOP in decided:
+                    return None
+                if decided[0] != _NONE:
+                    return self.prepare(decided[0])
+                stop.wait(poll_seconds)
 
-        written = None  # the writes queued so far on the caller's stream: the prefetcher reads after them
-        if self.device.type == "cuda":
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(self.device))
-
-        def on_device() -> None:  # a new thread's current CUDA device is 0, whatever the engine's
-            if written is not None:  # on a side stream: its waits are not for the engine's work
-                side = torch.cuda.Stream(self.device)
-                side.wait_event(written)
-                with torch.cuda.device(self.device), torch.cuda.stream(side):
-                    run()
-            else:
-                run()
-
-        thread = threading.Thread(target=on_device, name="delta-engine-prefetch", daemon=True)
-        thread.start()
-        self._prefetch = (thread, stop, result)
+        self.prefetcher.start(next_step, self.stop_seconds)
 
     @property
     def prefetching(self) -> bool:
         """Whether a prefetcher runs (it may read the engine's weights at any moment)."""
-        return self._prefetch is not None and self._prefetch[0].is_alive()
+        return self.prefetcher.running
 
     def take(self, step: int | None) -> tuple[EngineStep, bool]:
         """The verified `step` (None: the newest), and whether it had been prefetched."""
@@ -763,30 +737,15 @@ class EngineFollower:
 
     def _take(self, step: int | None, verify: bool) -> tuple[EngineStep, bool]:
         self._stop_prefetch()
-        ready, self._ready = self._ready, None
+        ready = self.prefetcher.take()
         wanted = self.newest() if step is None else step
         if ready is not None and ready.generation == self._generation and ready.step == wanted:
             return ready, True
         return self._prepare_step(wanted, verify), False
 
     def _stop_prefetch(self) -> None:
-        """Stop the prefetcher, keeping the step it made ready for `take`: every use of the group
-        outside the prefetcher comes after this, never while it may still be in a collective (the
-        next call waits for it again)."""
-        if self._prefetch is None:
-            return
-        thread, stop, result = self._prefetch
-        stop.set()
-        thread.join(self.stop_seconds)
-        if thread.is_alive():
-            raise PrefetchTimeoutError(
-                f"{self.store.url}: the prefetcher did not stop within {self.stop_seconds:g} s (a store that does "
-                "not answer, or a worker of the group that is gone); nothing was written, and the next call waits "
-                "for it again"
-            )
-        self._prefetch = None
-        if result and isinstance(result[0], EngineStep):
-            self._ready = result[0]
+        """Stop the prefetcher, keeping the step it made ready for `take` (`Prefetcher.stop`)."""
+        self.prefetcher.stop(self.stop_seconds)
 
     def close(self) -> None:
         self._stop_prefetch()
