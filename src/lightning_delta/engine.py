@@ -50,9 +50,9 @@ from .loader import FullCheck
 from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
 from .reader import ChainReader
-from .replica import exchange, exchange_bytes
+from .replica import exchange
 from .store import Store
-from .torch_path import Agreed, PayloadPatch, TorchPath, flat_bits
+from .torch_path import PayloadPatch, TorchPath, flat_bits
 from .viewmap import ViewMap
 
 __all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
@@ -127,8 +127,9 @@ class EngineFollower:
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.size = dist.get_world_size(group) if group is not None else 1
+        self.decisions = decisions.Decisions(group)
+        """What the group's workers decide together, each in one exchange."""
+        self.rank, self.size = self.decisions.rank, self.decisions.size
         self._reader = ChainReader(store)
         self._walker: walks.Walker | None = None
         mine: dict[str, list[list[list[int]]]] | Exception
@@ -144,7 +145,7 @@ class EngineFollower:
             mine = view_map.describe()
         except Exception as err:
             mine = err
-        described = self._gather_json(mine)
+        described = self.decisions.gather_json(mine)
         self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
         self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
         self._torch = TorchPath(
@@ -195,7 +196,7 @@ class EngineFollower:
             outcome = steps[-1] if steps else -1
         except Exception as err:
             outcome = err
-        newest = self._decide(outcome)[0]
+        newest = self.decisions.decide(outcome)[0]
         if newest < 0:
             raise SnapshotNotFoundError(f"no complete step in {self.store.url}")
         return newest
@@ -298,7 +299,7 @@ class EngineFollower:
         if outcome is not None and (self.group is None or not local):
             raise outcome  # from the bytes every worker holds (or no group): the same everywhere
         # decoded against its own state, a worker may fail alone: its error rides with the partial sums
-        sums = self._sum(partials, outcome) if local else []
+        sums = self.decisions.sum(partials, outcome) if local else []
         for (rank, index, part_step, want), got in zip(expected, sums, strict=True):
             if got != want:
                 names = [self._names[s.tensor] for s in self._views[rank][index].slices]
@@ -411,12 +412,7 @@ class EngineFollower:
         except Exception as err:
             failure = err
         try:
-            if isinstance(failure, Agreed):  # the group decided in a decode's exchange: no other exchange
-                raise failure.error
-            if self.group is not None:
-                exchange_bytes(failure or b"", self.group, torch.device("cpu"))
-            elif failure is not None:
-                raise failure
+            self.decisions.agree(failure)
         except Exception as err:
             self._held, self._generation = None, self._generation + 1
             log.warning(
@@ -455,7 +451,7 @@ class EngineFollower:
                         expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
         except Exception as err:
             failure = err
-        for (rank, i, want), got in zip(expected, self._sum(partials, failure), strict=True):
+        for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
             if got != want:
                 self._held = None  # the engine's weights are not the step held: the next write is whole
                 raise ChecksumError(
@@ -552,7 +548,7 @@ class EngineFollower:
                         partials[at] = written.result()
             except Exception as err:
                 failure = err
-        for (rank, i, want), got in zip(expected, self._sum(partials, failure), strict=True):
+        for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
             if got != want:
                 names = [self._names[s.tensor] for s in self._views[rank][i].slices]
                 raise ChecksumError(
@@ -695,7 +691,7 @@ class EngineFollower:
                     expected.append((rank, i, state.header.step, state.checksums[i]))
         except Exception as err:
             failure = err
-        for (rank, i, step, want), got in zip(expected, self._sum(partials, failure), strict=True):
+        for (rank, i, step, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
             if got != want:
                 raise ChecksumError(
                     f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
@@ -717,7 +713,7 @@ class EngineFollower:
                     choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
                 except Exception as err:
                     choice = err
-                decided = self._decide(choice)
+                decided = self.decisions.decide(choice)
                 if _STOP in decided:
                     return None
                 if decided[0] != _NONE:
@@ -749,21 +745,6 @@ class EngineFollower:
 
     def close(self) -> None:
         self._stop_prefetch()
-
-    # ------------------------------------------------------------------ group
-
-    def _decide(self, value: int | Exception) -> list[int]:
-        return decisions.decide(self.group, value)
-
-    def _sum(self, partials: list[int], failure: Exception | None = None) -> list[int]:
-        """The group's sums of each partial checksum, mod 2**64; or, on every worker, the error
-        `failure` of any worker that could not compute its partials."""
-        if isinstance(failure, Agreed):  # the group decided in a decode's exchange: no other exchange
-            raise failure.error
-        return decisions.sum_partials(self.group, partials, failure)
-
-    def _gather_json(self, value: object) -> list[Any]:
-        return decisions.gather_json(self.group, value)
 
 
 def _threads() -> int:

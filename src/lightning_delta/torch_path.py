@@ -26,11 +26,12 @@ from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChecksumError, DeltaError, SnapshotNotFoundError
+from .group import Agreed
 from .patch import PayloadView, RankState
 from .replica import exchange_bytes
 from .viewmap import Box, ViewMap
 
-__all__ = ["Agreed", "PayloadPatch", "TorchPath", "flat_bits"]
+__all__ = ["PayloadPatch", "TorchPath", "flat_bits"]
 
 log = logging.getLogger("lightning_delta.engine")
 """The engine follower's logger: its warnings (a CLASSED payload in a group) are filtered by that name."""
@@ -46,16 +47,6 @@ _CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
 larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
 0.035x-0.062x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
 (scripts/gpu_check.py)."""
-
-
-class Agreed(Exception):
-    """The group's decision on a failure, reached in an exchange inside a decode (`error`, raised
-    on every worker): the outcome exchange that follows it elsewhere is skipped, for a worker that
-    failed before the decode has left it already."""
-
-    def __init__(self, error: DeltaError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass
