@@ -41,18 +41,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
-from . import codec, plan, scatter, sparse_walk, whole_walk
+from . import codec, plan, scatter, whole_walk
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
-from .errors import ChainError, ChecksumError, DeltaError, ModelMismatchError, SnapshotNotFoundError, StoreError
+from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
 from .loader import FullCheck
 from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
 from .reader import ChainReader
 from .replica import exchange
 from .store import Store
-from .torch_path import PayloadPatch, TorchPath, flat_bits
+from .torch_path import PayloadPatch, TorchPath
 from .viewmap import ViewMap
 
 __all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
@@ -138,28 +138,23 @@ class EngineFollower:
             self._walker = walks.walker(apply, self.device)
             run = store.run()
             self.run = run
-            self._names = [t.name for t in run.manifest.tensors]
-            self._views = [views(run, rank) for rank in range(run.world_size)]
-            self._shapes = [t.shape for t in run.manifest.tensors]
+            payload_views = [views(run, rank) for rank in range(run.world_size)]
             specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in run.manifest.tensors}
             mine = view_map.describe()
         except Exception as err:
             mine = err
         described = self.decisions.gather_json(mine)
-        self._owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
-        self._kept: dict[int, Tensor] = {}  # refused tensors: full int16 copies, filled by the first write
+        owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
+        self.plan = plan.Plan(
+            store.url, run, payload_views, view_map, owned, self.rank, self._walker, self.group, self.device
+        )
+        """Which payloads are walked, in place or whole, and the kept copies of refused tensors."""
         self._torch = TorchPath(
-            store.url, run, self._views, view_map, self._owned, self._kept, self.rank, self.group, self.device
+            store.url, run, payload_views, view_map, owned, self.plan.kept, self.rank, self.group, self.device
         )
-        self._segments = plan.segment_tables(
-            self._views, self._names, self._shapes, view_map, self._owned, self.rank, self._walker, self.group
-        )
-        if self._segments and self.device.type == "cpu":
-            sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
-            whole_walk.compile()
         self._peers = {}  # every worker's tables, for the base steps it decodes for the others
         if self.group is not None and self.device.type == "cpu":
-            self._peers = scatter.peer_tables(self._segments, self.group)
+            self._peers = scatter.peer_tables(self.plan.tables, self.group)
         self._held: list[RankState] | None = None
         self._generation = 0
         self.prefetcher = Prefetcher[EngineStep](self.device, store.url)
@@ -171,8 +166,8 @@ class EngineFollower:
     def paths(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """((tensors, bytes) written in place, (tensors, bytes) through the engine's reload)."""
         sizes = {t.name: 2 * t.numel for t in self.run.manifest.tensors}
-        mapped = [n for n in self._names if n in self.map.boxes]
-        refused = [n for n in self._names if n not in self.map.boxes]
+        mapped = [n for n in self.plan.names if n in self.map.boxes]
+        refused = [n for n in self.plan.names if n not in self.map.boxes]
         return (len(mapped), sum(sizes[n] for n in mapped)), (len(refused), sum(sizes[n] for n in refused))
 
     @property
@@ -180,7 +175,7 @@ class EngineFollower:
         """What writes this worker's SPARSE payloads in sync: `ApplyBackend.TORCH` too where the
         device walk's kernels failed their proof (`apply.walker`) on this worker or on another of
         the group (which then walks nothing: `plan.segment_tables`)."""
-        return walks.backend_of(self._walker) if self._segments else ApplyBackend.TORCH
+        return walks.backend_of(self._walker) if self.plan.tables else ApplyBackend.TORCH
 
     @property
     def held_step(self) -> int | None:
@@ -223,7 +218,7 @@ class EngineFollower:
             kind=states[0].header.kind,
             parts_read=fetched,
             bytes_read=self.store.bytes_read - read_before,
-            tensors=len(self._names),
+            tensors=len(self.plan.names),
             changed=changed,
             seconds=time.perf_counter() - started,
             share_seconds=share,
@@ -271,17 +266,17 @@ class EngineFollower:
                     raise ChainError(f"rank {rank}: the chain ends at step {parts[-1].header.step}, not {step}")
                 state = held[rank] if held else None
                 for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
-                    if state is not None and self._walkable(rank, i, parts):
+                    if state is not None and self.plan.walkable(rank, i, parts):
                         walked.add((rank, i))
                         changed += sum(part.entries[i].changed for part in parts)
                         if verify:  # the first step of the chain; each later one as it is walked
                             local = True
-                            checked.append(self._payload(rank, i, parts[0], state.checksums[i]))
+                            checked.append(self.plan.payload(rank, i, parts[0], state.checksums[i]))
                         continue
-                    if state is None and ((rank, i) in scattered or self._whole_walkable(rank, i, parts)):
+                    if state is None and ((rank, i) in scattered or self.plan.whole_walkable(rank, i, parts)):
                         whole.add((rank, i))
                         if not verify:
-                            changed += self._views[rank][i].numel
+                            changed += self.plan.views[rank][i].numel
                             continue
                     local = True
                     for patch in self._torch.patches(rank, i, parts, state, params, partials, expected):
@@ -292,7 +287,7 @@ class EngineFollower:
                 states.append(state)
             if checked:
                 assert self._walker is not None
-                partials += walks.check(self._walker, checked, functools.partial(self._target, params))
+                partials += walks.check(self._walker, checked, functools.partial(self.plan.target, params))
                 expected += [(*p.key, chains[p.key[0]][0].header.step, p.moved) for p in checked]
         except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it
             outcome = err
@@ -302,10 +297,9 @@ class EngineFollower:
         sums = self.decisions.sum(partials, outcome) if local else []
         for (rank, index, part_step, want), got in zip(expected, sums, strict=True):
             if got != want:
-                names = [self._names[s.tensor] for s in self._views[rank][index].slices]
                 raise ChecksumError(
-                    f"{self.store.url} rank {rank} step {part_step}: payload {index} ({', '.join(names[:4])}) "
-                    "does not reproduce the trainer's checksum from the values the engine holds"
+                    f"{self.plan.where(rank, index, part_step)} does not reproduce the trainer's checksum from the "
+                    "values the engine holds"
                 )
         return states, chains, frozenset(walked), frozenset(whole), changed, fetched, share
 
@@ -366,7 +360,7 @@ class EngineFollower:
         whole, which this worker decodes and sends each of them as elements (`scatter`); and
         which those payloads are."""
         (part,) = self._reader.parse(refs, blobs, rank, checked=True)
-        whole = [i for i in range(len(part.payloads)) if self._whole_walkable(rank, i, (part,))]
+        whole = [i for i in range(len(part.payloads)) if self.plan.whole_walkable(rank, i, (part,))]
         if not whole:
             return list(blobs), whole
         entries = [dataclasses.replace(e, length=0) if i in whole else e for i, e in enumerate(part.entries)]
@@ -397,7 +391,7 @@ class EngineFollower:
             reload |= self._write_whole(prepared, params)
             for rank, parts in enumerate(prepared.chains):
                 held = prepared.held[rank] if prepared.held else None
-                for i, view in enumerate(self._views[rank]):
+                for i, view in enumerate(self.plan.views[rank]):
                     if (rank, i) in prepared.walked or (rank, i) in prepared.whole:
                         continue
                     for patch in self._torch.patches(rank, i, parts, held, params):
@@ -408,7 +402,7 @@ class EngineFollower:
             if reload:
                 if self._reload is None:
                     raise SnapshotNotFoundError("tensors the engine cannot take in place changed, and it has no reload")
-                self._reload(self._kept_tensors())
+                self._reload(self.plan.kept_tensors())
         except Exception as err:
             failure = err
         try:
@@ -437,7 +431,7 @@ class EngineFollower:
             params = self._params()
             chains = zip(prepared.chains, prepared.states, prepared.held, strict=True)
             for rank, (parts, state, held) in enumerate(chains):
-                for i, view in enumerate(self._views[rank]):
+                for i, view in enumerate(self.plan.views[rank]):
                     if (rank, i) in prepared.walked:
                         continue  # checked as it is written
                     moved, whole = 0, False
@@ -485,9 +479,11 @@ class EngineFollower:
             return False
         assert prepared.held is not None and self._walker is not None
         held = prepared.held
-        payloads = [p for r, i in sorted(prepared.walked) for p in self._payloads(r, i, prepared.chains[r], held[r])]
+        payloads = [
+            p for r, i in sorted(prepared.walked) for p in self.plan.payloads(r, i, prepared.chains[r], held[r])
+        ]
         try:
-            return bool(walks.apply(self._walker, payloads, functools.partial(self._target, params), self.group))
+            return bool(walks.apply(self._walker, payloads, functools.partial(self.plan.target, params), self.group))
         except ChecksumError:
             self._held = None  # the engine's weights, or the step, are not what they should be
             raise
@@ -507,16 +503,14 @@ class EngineFollower:
         failure: Exception | None = None
         try:
             for at, (rank, i) in enumerate(sorted(prepared.whole)):  # `at` tags its transfers too
-                table = self._segments_of(rank, i)
+                table = self.plan.table(rank, i)
                 assert table is not None
                 expected.append((rank, i, prepared.chains[rank][0].entries[i].checksum))
                 holds = whole_walk.count(table[0])
                 for name in table[1] if holds else ():
                     if isinstance(name, int):
                         kept = True
-                        self._kept.setdefault(
-                            name, torch.zeros(self.run.manifest.tensors[name].numel, dtype=torch.int16)
-                        )
+                        self.plan.keep(name)
                 source = scatter.reader(rank, self.size)
                 if source == self.rank and (holds or self.group is not None):
                     jobs.append((at, rank, i))
@@ -550,11 +544,9 @@ class EngineFollower:
                 failure = err
         for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
             if got != want:
-                names = [self._names[s.tensor] for s in self._views[rank][i].slices]
                 raise ChecksumError(
-                    f"{self.store.url} rank {rank} step {prepared.step}: payload {i} ({', '.join(names[:4])}) does "
-                    "not reproduce the trainer's checksum; the engine holds no step of the chain until it is loaded "
-                    "from a base"
+                    f"{self.plan.where(rank, i, prepared.step)} does not reproduce the trainer's checksum; the engine "
+                    "holds no step of the chain until it is loaded from a base"
                 )
         return kept
 
@@ -563,7 +555,7 @@ class EngineFollower:
     ) -> tuple[int, list[tuple[int, np.ndarray]]]:
         """Payload `i` of `rank`'s whole walk: this worker's share of its checksum, and the
         elements each peer holds of it (in a group, where this worker read the part)."""
-        view, table = self._views[rank][i], self._segments_of(rank, i)
+        view, table = self.plan.views[rank][i], self.plan.table(rank, i)
         assert table is not None
         packed = codec.parse(part.payloads[i], view.numel)
         if packed.dtype != view.dtype:
@@ -579,7 +571,7 @@ class EngineFollower:
     ) -> int:
         """Payload `i` of `rank`'s elements this worker holds, as the worker that read it sent them:
         written, and this worker's share of its checksum."""
-        table = self._segments_of(rank, i)
+        table = self.plan.table(rank, i)
         assert table is not None
         return whole_walk.Scattered(values, table[0], self._whole_targets(table[1], params, arrays)).apply()
 
@@ -589,76 +581,8 @@ class EngineFollower:
         """The arrays a table names: a parameter, or the kept copy of a refused tensor."""
         for name in names:
             if name not in arrays:  # threads may both fill it: the same array either way
-                arrays[name] = _host(params[name], name) if isinstance(name, str) else self._kept[name].numpy()
+                arrays[name] = _host(params[name], name) if isinstance(name, str) else self.plan.kept[name].numpy()
         return [arrays[name] for name in names]
-
-    def _whole_walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
-        """Whether payload `i` of `rank` is walked whole (`whole_walk`): on the CPU, one RAW payload
-        of a step loaded from its base, into tensors the map holds as runs or 2-D blocks."""
-        return (
-            len(parts) == 1
-            and self.device.type == "cpu"
-            and codec.mode_of(parts[0].payloads[i]) == codec.Mode.RAW
-            and self._segments_of(rank, i) is not None
-        )
-
-    def _walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
-        """Whether payload `i` of `rank` is walked in place (`apply`): SPARSE payloads from the state
-        held (the chain checks that it starts there), one step after another (a follower one step
-        late walks two, each at the cost of its change, rather than composing them through torch),
-        into tensors the map holds as runs or 2-D blocks."""
-        return (
-            bool(parts)
-            and all(
-                p.header.kind == fmt.Kind.DELTA and codec.mode_of(p.payloads[i]) == codec.Mode.SPARSE for p in parts
-            )
-            and self._segments_of(rank, i) is not None
-        )
-
-    def _payloads(self, rank: int, i: int, parts: Sequence[fmt.Part], held: RankState) -> list[walks.Payload]:
-        """Payload `i` of each of `rank`'s parts, in chain order, each one step from the one before
-        (walked in that order, taken back in the reverse)."""
-        before = [held.checksums[i]] + [part.entries[i].checksum for part in parts[:-1]]
-        return [self._payload(rank, i, part, b) for part, b in zip(parts, before, strict=True)]
-
-    def _payload(self, rank: int, i: int, part: fmt.Part, before: int) -> walks.Payload:
-        """Payload `i` of `rank`'s part, one step from a state whose checksum of it is `before`, as
-        a walk takes it."""
-        view, table = self._views[rank][i], self._segments_of(rank, i)
-        assert table is not None
-        entry = part.entries[i]
-        return walks.Payload(
-            key=(rank, i),
-            data=part.payloads[i],
-            numel=view.numel,
-            dtype=view.dtype,
-            changed=entry.changed,
-            segments=table[0],
-            names=tuple(table[1]),
-            moved=(entry.checksum - before) & _MASK64,
-            where=f"{self.store.url} rank {rank} step {part.header.step}: payload {i}",
-        )
-
-    def _target(self, params: Mapping[str, Tensor], name: str | int) -> Tensor:
-        """What a walk writes: a parameter (by name) or the kept copy of a refused tensor (by
-        index), as flat int16."""
-        if isinstance(name, str):
-            return _held(params[name], name)
-        if name not in self._kept:
-            raise SnapshotNotFoundError(f"{self._names[name]} is not held yet")
-        return self._kept[name]
-
-    def _segments_of(self, rank: int, i: int) -> tuple[sparse_walk.Segments, list[str | int]] | None:
-        """Payload `i` of `rank` as a walk's segment table and the arrays it names (a parameter by
-        name, the kept copy of a refused tensor by its index), or None where it is not walked."""
-        return self._segments.get((rank, i))
-
-    def _kept_tensors(self) -> dict[str, Tensor]:
-        specs = self.run.manifest.tensors
-        return {
-            specs[i].name: bits.view(fmt.DType(specs[i].dtype).torch).view(specs[i].shape)
-            for i, bits in self._kept.items()
-        }
 
     # ------------------------------------------------------------------ full check
 
@@ -686,7 +610,7 @@ class EngineFollower:
         try:
             params = self._params()
             for rank, state in enumerate(held):
-                for i, view in enumerate(self._views[rank]):
+                for i, view in enumerate(self.plan.views[rank]):
                     partials.append(self._torch.owned_sum(view, params))
                     expected.append((rank, i, state.header.step, state.checksums[i]))
         except Exception as err:
@@ -754,17 +678,7 @@ def _threads() -> int:
 
 def _host(tensor: Tensor, name: str) -> np.ndarray:
     """A CPU parameter's elements as int16 numpy (its own memory, for a walk)."""
-    return _held(tensor, name).numpy()
-
-
-def _held(tensor: Tensor, name: str) -> Tensor:
-    """A parameter's elements as flat int16; one left on the meta device (an engine reload that
-    did not finish) holds nothing to write into."""
-    if tensor.is_meta:
-        raise ModelMismatchError(
-            f"{name} is on the meta device (the engine's reload did not finish): restart the engine"
-        )
-    return flat_bits(tensor)
+    return plan.held_bits(tensor, name).numpy()
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:
