@@ -27,21 +27,18 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
-from . import codec, plan, scatter, whole_walk
+from . import codec, plan
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
@@ -54,6 +51,7 @@ from .replica import exchange
 from .store import Store
 from .torch_path import PayloadPatch, TorchPath
 from .viewmap import ViewMap
+from .whole_write import WholeWriter
 
 __all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
 
@@ -152,9 +150,7 @@ class EngineFollower:
         self._torch = TorchPath(
             store.url, run, payload_views, view_map, owned, self.plan.kept, self.rank, self.group, self.device
         )
-        self._peers = {}  # every worker's tables, for the base steps it decodes for the others
-        if self.group is not None and self.device.type == "cpu":
-            self._peers = scatter.peer_tables(self.plan.tables, self.group)
+        self._whole = WholeWriter(self.plan, self.decisions)
         self._held: list[RankState] | None = None
         self._generation = 0
         self.prefetcher = Prefetcher[EngineStep](self.device, store.url)
@@ -388,7 +384,7 @@ class EngineFollower:
         reload = self._walk(prepared, params)  # taken back on every worker if any fails
         failure: Exception | None = None
         try:  # past the walk nothing is taken back: a failure anywhere means a re-sync everywhere
-            reload |= self._write_whole(prepared, params)
+            reload |= self._whole.write(prepared.whole, prepared.chains, prepared.step, params)
             for rank, parts in enumerate(prepared.chains):
                 held = prepared.held[rank] if prepared.held else None
                 for i, view in enumerate(self.plan.views[rank]):
@@ -488,102 +484,6 @@ class EngineFollower:
             self._held = None  # the engine's weights, or the step, are not what they should be
             raise
 
-    def _write_whole(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
-        """Walk every whole payload of a base step into the engine (`whole_walk`), side by side on
-        threads, and check them: partial sums over the owned elements, summed over the group.  In a
-        group, the worker that read a part decodes its payloads alone and sends each peer the
-        elements it holds (`scatter`).  A failure on any worker raises on all of them, with the
-        engine holding no step.  Returns whether a kept copy changed."""
-        if not prepared.whole:
-            return False
-        jobs, expected, partials, kept = [], [], list[int](), False
-        sending: list[tuple[int, int, np.ndarray]] = []  # (peer, tag, elements)
-        receiving: list[tuple[int, int, np.ndarray]] = []  # (worker that decodes it, tag, buffer)
-        arrays: dict[str | int, np.ndarray] = {}
-        failure: Exception | None = None
-        try:
-            for at, (rank, i) in enumerate(sorted(prepared.whole)):  # `at` tags its transfers too
-                table = self.plan.table(rank, i)
-                assert table is not None
-                expected.append((rank, i, prepared.chains[rank][0].entries[i].checksum))
-                holds = whole_walk.count(table[0])
-                for name in table[1] if holds else ():
-                    if isinstance(name, int):
-                        kept = True
-                        self.plan.keep(name)
-                source = scatter.reader(rank, self.size)
-                if source == self.rank and (holds or self.group is not None):
-                    jobs.append((at, rank, i))
-                elif source != self.rank and holds:
-                    receiving.append((source, at, np.empty(holds, dtype=np.int16)))
-            partials = [0] * len(expected)
-            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), _threads()))) as pool:
-                futures = [
-                    (at, pool.submit(self._walk_whole, rank, i, prepared.chains[rank][0], params, arrays))
-                    for at, rank, i in jobs
-                ]
-                for at, future in futures:
-                    partials[at], gathered = future.result()
-                    sending += [(peer, at, values) for peer, values in gathered]
-        except Exception as err:
-            failure = err
-        if self.group is not None:
-            scatter.agree(failure, self.group)  # past it, every worker sends and receives
-            try:
-                scatter.send_receive(sending, receiving, self.group)
-                sending.clear()
-                keys = sorted(prepared.whole)
-                with ThreadPoolExecutor(max_workers=max(1, min(len(receiving), _threads()))) as pool:
-                    writes = [
-                        (at, pool.submit(self._scattered, *keys[at], values, params, arrays))
-                        for _, at, values in receiving
-                    ]
-                    for at, written in writes:
-                        partials[at] = written.result()
-            except Exception as err:
-                failure = err
-        for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
-            if got != want:
-                raise ChecksumError(
-                    f"{self.plan.where(rank, i, prepared.step)} does not reproduce the trainer's checksum; the engine "
-                    "holds no step of the chain until it is loaded from a base"
-                )
-        return kept
-
-    def _walk_whole(
-        self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> tuple[int, list[tuple[int, np.ndarray]]]:
-        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum, and the
-        elements each peer holds of it (in a group, where this worker read the part)."""
-        view, table = self.plan.views[rank][i], self.plan.table(rank, i)
-        assert table is not None
-        packed = codec.parse(part.payloads[i], view.numel)
-        if packed.dtype != view.dtype:
-            where = f"{self.store.url} rank {rank} step {part.header.step}: payload {i}"
-            raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
-        walk = whole_walk.WholeWalk(packed, table[0], self._whole_targets(table[1], params, arrays))
-        share = walk.apply()
-        peers = self._peers.get((rank, i), []) if self.group is not None else []
-        return share, [(q, walk.gather(t)) for q, t in enumerate(peers) if q != self.rank and whole_walk.count(t)]
-
-    def _scattered(
-        self, rank: int, i: int, values: np.ndarray, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> int:
-        """Payload `i` of `rank`'s elements this worker holds, as the worker that read it sent them:
-        written, and this worker's share of its checksum."""
-        table = self.plan.table(rank, i)
-        assert table is not None
-        return whole_walk.Scattered(values, table[0], self._whole_targets(table[1], params, arrays)).apply()
-
-    def _whole_targets(
-        self, names: list[str | int], params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> list[np.ndarray]:
-        """The arrays a table names: a parameter, or the kept copy of a refused tensor."""
-        for name in names:
-            if name not in arrays:  # threads may both fill it: the same array either way
-                arrays[name] = _host(params[name], name) if isinstance(name, str) else self.plan.kept[name].numpy()
-        return [arrays[name] for name in names]
-
     # ------------------------------------------------------------------ full check
 
     def forget(self) -> None:
@@ -669,16 +569,6 @@ class EngineFollower:
 
     def close(self) -> None:
         self._stop_prefetch()
-
-
-def _threads() -> int:
-    """Payloads walked whole at once: the cores this process may run on (the walk and zstd release the GIL)."""
-    return len(os.sched_getaffinity(0))
-
-
-def _host(tensor: Tensor, name: str) -> np.ndarray:
-    """A CPU parameter's elements as int16 numpy (its own memory, for a walk)."""
-    return plan.held_bits(tensor, name).numpy()
 
 
 def _ref(fields: dict[str, Any]) -> fmt.PartRef:
