@@ -1,53 +1,50 @@
 """Following a chain into a live engine's parameters, at the cost of the change.
 
 The engine's parameters are the held state, read and written through a `ViewMap`; the tensors the
-map refuses are kept as copies here and handed to the engine's own `reload` whenever one of them
-changes.  A tensor-parallel worker holds only slices, so a step is decoded into what it does
-(`torch_path`: changed positions and 16-bit steps, a chunk at a time), verified by the checksums'
-partial sums over the changes each worker owns, summed over the group before anything is
-written, and then every worker writes `old + step` at the positions it holds.  SPARSE payloads
-from the state held are instead walked (`apply`: `sparse_walk` on the CPU, `device_walk`'s Triton
-kernels on a GPU), one step after another for a follower that is late: decoded, checked and
-written in one pass over the engine's memory, not two, their partial sums summed over the group
-once every payload is walked, and every walk taken back exactly, in reverse (steps add mod
-2**16), if any worker's check fails, so a failed update still leaves nothing written.  The
-workers share one download: each fetches the parts of a share of the trainer ranks, checks them
-against their markers, and sends the others the blobs, or the error it met, which every worker
-then raises: each blob is hashed once in the group, by the worker that read it, and a base step's
-RAW payloads are decompressed once too, by that worker, which sends each of the others only the
-elements it holds (`scatter`).
+map refuses are kept as copies and handed to the engine's own `reload` whenever one of them
+changes.  A step is prepared (fetched, decoded, verified), then written, by every worker of a
+tensor-parallel group together:
 
-Framework-free: an engine adapter (`vllm_backend`) gives the loader call, the parameters, the
-reload and the group.
+- `fetch`: the group's one download, each blob fetched and hashed by one worker;
+- `plan`: which payloads are walked in place or whole, through each worker's segment tables;
+- `apply`: SPARSE payloads from the state held walked in (`sparse_walk` on the CPU, `device_walk`'s
+  Triton kernels on a GPU), one step after another for a follower that is late: decoded, checked
+  and written in one pass, and every walk taken back exactly if any worker's check fails;
+- `whole_write`: a base step's RAW payloads walked whole, each decompressed once in the group;
+- `torch_path`: the rest decoded with torch a chunk at a time and verified by the partial sums
+  over the changes each worker owns before anything is written;
+- `group`: every decision taken in one exchange that carries any worker's failure to all;
+- `prefetch`: the next step prepared in the background while the engine serves.
+
+A failed update leaves nothing written, or (past the point where it can be taken back) no step
+held, so the next one loads from a base.  Framework-free: an engine adapter (`vllm_backend`) gives
+the loader call, the parameters, the reload and the group.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
-from . import codec, plan
 from . import format as fmt
 from . import group as decisions
+from . import plan
 from .apply import ApplyBackend
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
+from .fetch import HeldDiffers, fetch_step
 from .loader import FullCheck
 from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
 from .reader import ChainReader
-from .replica import exchange
 from .store import Store
 from .torch_path import PayloadPatch, TorchPath
 from .viewmap import ViewMap
@@ -59,11 +56,6 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
-
-
-class _HeldDiffers(ChainError):
-    """The workers of a group hold different steps (every one of them raises it): each fetches
-    the step again from its base."""
 
 
 @dataclass
@@ -204,7 +196,7 @@ class EngineFollower:
         try:
             states, chains, walked, whole, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
-            if isinstance(err, StoreError) or (held is None and not isinstance(err, _HeldDiffers)):
+            if isinstance(err, StoreError) or (held is None and not isinstance(err, HeldDiffers)):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
             held = None
@@ -238,7 +230,9 @@ class EngineFollower:
         The payloads `write` walks are checked here only with `verify`, and of several steps only
         the first (each is checked again as it is written)."""
         started = time.perf_counter()
-        chains, fetched, base_step, scattered = self._fetch(step, held, thin=not verify)
+        chains, fetched, base_step, scattered = fetch_step(
+            self._reader, self.plan, self.decisions, step, held, not verify
+        )
         share = time.perf_counter() - started
         cadence = self.full_check
         if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
@@ -298,70 +292,6 @@ class EngineFollower:
                     "values the engine holds"
                 )
         return states, chains, frozenset(walked), frozenset(whole), changed, fetched, share
-
-    def _fetch(
-        self, step: int, held: list[RankState] | None, thin: bool = False
-    ) -> tuple[list[tuple[fmt.Part, ...]], int, bool, frozenset[tuple[int, int]]]:
-        """Every rank's parts (oldest first), the parts this worker fetched, whether the step is a
-        base step, and (with `thin`) the payloads the group walks whole that travel decoded, from
-        the worker that read them (`scatter`), not in the blobs; each worker fetches a share and
-        sends the others its blobs (without those payloads), and the steps it holds: `ChainError`
-        on every worker if they differ (each then fetches from a base)."""
-        world = self.run.world_size
-        ours = range(self.rank, world, self.size)
-        fetched: dict[int, tuple[list[fmt.PartRef], Sequence[bytes | memoryview]]] = {}
-        scattered: dict[int, list[int]] = {}
-        mine: list[Tensor] | BaseException
-        try:
-            if not self._reader.is_complete(step):
-                raise SnapshotNotFoundError(f"step {step} is not completely published in {self.store.url}")
-            for rank in ours:
-                fetched[rank] = self._reader.fetch_blobs(step, rank, held[rank].header.step if held else None)
-                self._reader.check(*fetched[rank], rank)  # here only: a failure reaches the others in the exchange
-            mine = []
-            if self.group is not None:  # what the others need: the steps held here, and the blobs
-                mine.append(codec.byte_view(json.dumps([s.header.step for s in held] if held else None).encode()))
-                for rank, (refs, blobs) in fetched.items():
-                    if thin and held is None and len(refs) == 1:
-                        blobs, scattered[rank] = self._thinned(rank, refs, blobs)
-                    mine.append(codec.byte_view(json.dumps([[asdict(r) for r in refs], scattered.get(rank)]).encode()))
-                    mine += [codec.byte_view(b) for b in blobs]
-        except Exception as err:
-            mine = err
-        if self.group is not None:
-            received = exchange(mine, self.group, torch.device("cpu"))
-            if len({bytes(pieces[0].numpy()) for pieces in received}) > 1:
-                raise _HeldDiffers("the workers of the group hold different steps")
-            for src, pieces in enumerate(received):
-                if src == self.rank:
-                    continue
-                rest = iter(pieces[1:])
-                for rank in range(src, world, self.size):
-                    described, whole = json.loads(bytes(next(rest).numpy()))
-                    refs = [_ref(r) for r in described]
-                    fetched[rank] = (refs, [next(rest).numpy().data for _ in refs])  # not copied
-                    if whole is not None:
-                        scattered[rank] = whole
-        elif isinstance(mine, BaseException):
-            raise mine
-        chains = [self._reader.parse(*fetched[rank], rank, checked=True) for rank in range(world)]
-        base_step = any(refs and (refs[-1].bridge or refs[-1].kind == fmt.Kind.BASE) for refs, _ in fetched.values())
-        whole = frozenset((rank, i) for rank, indices in scattered.items() for i in indices)
-        return chains, sum(len(fetched[r][0]) for r in ours), base_step, whole
-
-    def _thinned(
-        self, rank: int, refs: list[fmt.PartRef], blobs: Sequence[bytes | memoryview]
-    ) -> tuple[list[bytes | memoryview], list[int]]:
-        """A base part (checked) as the others receive it: without the payloads the group walks
-        whole, which this worker decodes and sends each of them as elements (`scatter`); and
-        which those payloads are."""
-        (part,) = self._reader.parse(refs, blobs, rank, checked=True)
-        whole = [i for i in range(len(part.payloads)) if self.plan.whole_walkable(rank, i, (part,))]
-        if not whole:
-            return list(blobs), whole
-        entries = [dataclasses.replace(e, length=0) if i in whole else e for i, e in enumerate(part.entries)]
-        payloads = [b"" if i in whole else bytes(p) for i, p in enumerate(part.payloads)]
-        return [fmt.encode_blob(part.header, entries, payloads, part.probe)], whole
 
     # ------------------------------------------------------------------ write
 
@@ -569,14 +499,3 @@ class EngineFollower:
 
     def close(self) -> None:
         self._stop_prefetch()
-
-
-def _ref(fields: dict[str, Any]) -> fmt.PartRef:
-    return fmt.PartRef(
-        int(fields["step"]),
-        fmt.Kind(fields["kind"]),
-        None if fields["prev_step"] is None else int(fields["prev_step"]),
-        int(fields["size"]),
-        bool(fields["bridge"]),
-        str(fields["sha256"]),
-    )
