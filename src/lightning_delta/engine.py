@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import apply as walks
+from . import checks, plan
 from . import format as fmt
 from . import group as decisions
-from . import plan
 from .apply import ApplyBackend
 from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
 from .fetch import HeldDiffers, fetch_step
@@ -46,7 +46,7 @@ from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
 from .reader import ChainReader
 from .store import Store
-from .torch_path import PayloadPatch, TorchPath
+from .torch_path import TorchPath
 from .viewmap import ViewMap
 from .whole_write import WholeWriter
 
@@ -349,35 +349,25 @@ class EngineFollower:
         return time.perf_counter() - started
 
     def _check_changes(self, prepared: EngineStep) -> None:
-        """Whether the changes take the values the engine holds now to the trainer's checksums:
-        partial sums over the owned changes, summed over the group."""
+        """Whether the changes take the values the engine holds now to the trainer's checksums
+        (`checks.changes_differ`); if not, the next write is whole."""
         assert prepared.held is not None
-        partials, expected, failure = [], [], None
-        try:
-            params = self._params()
-            chains = zip(prepared.chains, prepared.states, prepared.held, strict=True)
-            for rank, (parts, state, held) in enumerate(chains):
-                for i, view in enumerate(self.plan.views[rank]):
-                    if (rank, i) in prepared.walked:
-                        continue  # checked as it is written
-                    moved, whole = 0, False
-                    for patch in self._torch.patches(rank, i, parts, held, params):
-                        if patch.index is None or patch.step is None:
-                            whole = True
-                            continue
-                        moved += self._torch.partial(view, PayloadPatch(), patch.index, patch.step, params)
-                    if not whole:
-                        partials.append(moved & _MASK64)
-                        expected.append((rank, i, (state.checksums[i] - held.checksums[i]) & _MASK64))
-        except Exception as err:
-            failure = err
-        for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
-            if got != want:
-                self._held = None  # the engine's weights are not the step held: the next write is whole
-                raise ChecksumError(
-                    f"rank {rank} payload {i}: the engine's weights changed behind the follower's back since step "
-                    f"{prepared.step} was verified; nothing was written, and the next step is written whole"
-                )
+        differs = checks.changes_differ(
+            self._torch,
+            self.plan,
+            self.decisions,
+            self._params,
+            prepared.chains,
+            prepared.states,
+            prepared.held,
+            prepared.walked,
+        )
+        if differs is not None:
+            self._held = None  # the engine's weights are not the step held: the next write is whole
+            raise ChecksumError(
+                f"rank {differs[0]} payload {differs[1]}: the engine's weights changed behind the follower's back "
+                f"since step {prepared.step} was verified; nothing was written, and the next step is written whole"
+            )
 
     def update(self, step: int | None) -> tuple[EngineStep, bool, float]:
         """Take `step` (None: the newest; prefetched if it was) and write it: (the step, whether
@@ -436,21 +426,7 @@ class EngineFollower:
             raise
 
     def _check(self, held: list[RankState]) -> None:
-        partials, expected, failure = [], [], None
-        try:
-            params = self._params()
-            for rank, state in enumerate(held):
-                for i, view in enumerate(self.plan.views[rank]):
-                    partials.append(self._torch.owned_sum(view, params))
-                    expected.append((rank, i, state.header.step, state.checksums[i]))
-        except Exception as err:
-            failure = err
-        for (rank, i, step, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
-            if got != want:
-                raise ChecksumError(
-                    f"rank {rank} payload {i}: the engine's weights no longer match the trainer's checksum of step "
-                    f"{step}: they were changed behind the follower's back; the next step is written whole"
-                )
+        checks.check_held(self._torch, self.plan, self.decisions, self._params, held)
 
     # ------------------------------------------------------------------ prefetch
 
