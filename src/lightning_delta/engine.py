@@ -91,12 +91,11 @@ class EngineFollower:
             worker the elements it owns, summed over the group); `verify` does it on demand.
         stop_seconds: how long stopping the prefetcher waits for it (it may be fetching a step, or
             waiting in a collective for a worker that is gone) before `PrefetchTimeoutError`.
-        apply: what writes the SPARSE payloads of a step in sync (`apply.ApplyBackend`; None: the
-            CPU walk on the CPU, the device walk on a GPU, where they can run, else torch).  The
-            device walk's kernels first prove themselves on the device: where they fail, on this
-            worker or another of the group, the follower writes with torch for its life
-            (`walks_with` says which writes), or raises `DeviceError` where the failure broke the
-            device's CUDA context.
+        apply: what walks the SPARSE payloads of a step in sync (`apply.ApplyBackend`; None: the
+            CPU walk on the CPU, the device walk on a GPU, where they can run, else torch's walk).
+            The device walk's kernels first prove themselves on the device: where they fail, this
+            worker walks with torch for its life (`walks_with` says which writes), or raises
+            `DeviceError` where the failure broke the device's CUDA context.
 
     Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
     reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
@@ -135,8 +134,9 @@ class EngineFollower:
             mine = err
         described = self.decisions.gather_json(mine)
         owned = view_map.settle(described, self.rank, specs)  # refuses what the group cannot map
+        asked = apply or ApplyBackend.default(self.device)
         self.plan = plan.Plan(
-            store.url, run, payload_views, view_map, owned, self.rank, self._walker, self.group, self.device
+            store.url, run, payload_views, view_map, owned, self.rank, self._walker, asked, self.group, self.device
         )
         """Which payloads are walked, in place or whole, and the kept copies of refused tensors."""
         self._torch = TorchPath(
@@ -161,8 +161,8 @@ class EngineFollower:
     @property
     def walks_with(self) -> ApplyBackend:
         """What writes this worker's SPARSE payloads in sync: `ApplyBackend.TORCH` too where the
-        device walk's kernels failed their proof (`apply.walker`) on this worker or on another of
-        the group (which then walks nothing: `plan.segment_tables`)."""
+        device walk's kernels failed their proof on this worker (`apply.walker`), or where the group
+        walks no payload (`plan.segment_tables`)."""
         return walks.backend_of(self._walker) if self.plan.tables else ApplyBackend.TORCH
 
     @property

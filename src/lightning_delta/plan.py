@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import codec, sparse_walk, whole_walk
 from . import format as fmt
-from .apply import Payload, Walker
+from .apply import ApplyBackend, Payload, Walker
 from .errors import ModelMismatchError, SnapshotNotFoundError
 from .group import gather_json
 from .patch import PayloadView, RankState
@@ -41,9 +41,9 @@ of a refused tensor by its index in the manifest."""
 
 class Plan:
     """One worker's plan of a chain over the engine: where each payload's positions lie (`views`),
-    which payloads the group walks (`tables`, agreed by every worker when it is made), and the
-    kept copies of the tensors the map refuses (`kept`: full int16 copies, filled by the first
-    write, which the engine's reload takes)."""
+    which payloads the group walks (`tables`, agreed by every worker when it is made; `backend`:
+    the `ApplyBackend` asked for, resolved), and the kept copies of the tensors the map refuses
+    (`kept`: full int16 copies, filled by the first write, which the engine's reload takes)."""
 
     def __init__(
         self,
@@ -54,6 +54,7 @@ class Plan:
         owned: Mapping[str, Sequence[bool]],
         rank: int,
         walker: Walker | None,
+        backend: ApplyBackend,
         group: dist.ProcessGroup | None,
         device: torch.device,
     ) -> None:
@@ -62,7 +63,11 @@ class Plan:
         self.shapes = [t.shape for t in run.manifest.tensors]
         self.kept: dict[int, Tensor] = {}
         self.tables = segment_tables(self.views, self.names, self.shapes, view_map, owned, rank, walker, group)
-        if self.tables and device.type == "cpu":
+        self.walks_whole = device.type == "cpu" and sparse_walk.AVAILABLE and backend != ApplyBackend.TORCH
+        """Whether base steps' RAW payloads are walked whole (numba, on the CPU): by the backend
+        asked for (`backend`), not the walker it gave, so the same on every worker of a group,
+        whose protocol depends on it, even where one worker's device walk failed its proof."""
+        if self.tables and self.walks_whole:
             sparse_walk.compile()  # seconds, once per machine (numba caches it): not in the first update
             whole_walk.compile()
 
@@ -85,11 +90,11 @@ class Plan:
         )
 
     def whole_walkable(self, rank: int, i: int, parts: tuple[fmt.Part, ...]) -> bool:
-        """Whether payload `i` of `rank` is walked whole (`whole_walk`): on the CPU, one RAW payload
+        """Whether payload `i` of `rank` is walked whole (`whole_walk`): on the CPU with numba, one RAW payload
         of a step loaded from its base, into tensors the map holds as runs or 2-D blocks."""
         return (
             len(parts) == 1
-            and self.device.type == "cpu"
+            and self.walks_whole
             and codec.mode_of(parts[0].payloads[i]) == codec.Mode.RAW
             and self.table(rank, i) is not None
         )
@@ -185,8 +190,8 @@ def segment_tables(
         walkable &= {(trainer, i) for trainer, i in listed}
     if tables and not walkable:
         log.warning(
-            "lightning_delta: workers %s of the group walk no payload (no walker there: a device walk that failed its "
-            "proof says so in that worker's log): every worker writes with torch (exact, slower)",
+            "lightning_delta: workers %s of the group walk no payload (their walker takes none of them: the device "
+            "walk takes no kept copy on a GPU): every worker decodes with torch before it writes (exact, slower)",
             [worker for worker, listed in enumerate(theirs) if not listed],
         )
     return {key: tables[key] for key in sorted(walkable)}
