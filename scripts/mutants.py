@@ -54,10 +54,9 @@ MUTANTS = (
     Mutant(
         "engine-prepare-checksum",
         "the engine checks a step's changes (walked on the CPU or decoded by torch) before it writes",
-        "engine.py",
-        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n"
-        "            if got != want:\n",
-        "        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n            if False:\n",
+        "prepare.py",
+        "    for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n        if got != want:\n",
+        "    for (rank, index, part_step, want), got in zip(expected, sums, strict=True):\n        if False:\n",
         ("tests/test_engine.py::-k only_its_checksum and prepare",),
     ),
     Mutant(

@@ -7,6 +7,7 @@ tensor-parallel group together:
 
 - `fetch`: the group's one download, each blob fetched and hashed by one worker;
 - `plan`: which payloads are walked in place or whole, through each worker's segment tables;
+- `prepare`: each payload routed to what writes it, and verified where it can be before a write;
 - `apply`: SPARSE payloads from the state held walked in (`sparse_walk` on the CPU, `device_walk`'s
   Triton kernels on a GPU), one step after another for a follower that is late: decoded, checked
   and written in one pass, and every walk taken back exactly if any worker's check fails;
@@ -39,11 +40,12 @@ from . import checks, plan
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
-from .errors import ChainError, ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
+from .errors import ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
 from .fetch import HeldDiffers, fetch_step
 from .loader import FullCheck
 from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
+from .prepare import route_and_verify
 from .reader import ChainReader
 from .store import Store
 from .torch_path import TorchPath
@@ -54,7 +56,6 @@ __all__ = ["EngineFollower", "EngineStep", "PrefetchTimeoutError"]
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 _STOP, _NONE = -1, -2  # a prefetcher's decisions besides a step number
 
 
@@ -237,61 +238,10 @@ class EngineFollower:
         cadence = self.full_check
         if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
             self._check(held)  # a failure re-syncs from a base, which writes every element
-        states: list[RankState] = []
-        partials: list[int] = []
-        expected: list[tuple[int, int, int, int]] = []
-        outcome: Exception | None = None
-        changed, params, local, walked, whole = 0, self._params(), False, set(), set()
-        checked: list[walks.Payload] = []  # the walked payloads to check, all at once
-        try:
-            for rank, parts in enumerate(chains):
-                first = parts[0].header if parts else None
-                if (
-                    first is not None
-                    and first.kind == fmt.Kind.DELTA
-                    and (held is None or first.prev_step != held[rank].header.step)
-                ):
-                    raise ChainError(f"rank {rank}: the chain does not reach a base or the step held")
-                if parts and parts[-1].header.step != step:
-                    raise ChainError(f"rank {rank}: the chain ends at step {parts[-1].header.step}, not {step}")
-                state = held[rank] if held else None
-                for i in range(len(self.run.payloads[rank])):  # one payload's patch at a time
-                    if state is not None and self.plan.walkable(rank, i, parts):
-                        walked.add((rank, i))
-                        changed += sum(part.entries[i].changed for part in parts)
-                        if verify:  # the first step of the chain; each later one as it is walked
-                            local = True
-                            checked.append(self.plan.payload(rank, i, parts[0], state.checksums[i]))
-                        continue
-                    if state is None and ((rank, i) in scattered or self.plan.whole_walkable(rank, i, parts)):
-                        whole.add((rank, i))
-                        if not verify:
-                            changed += self.plan.views[rank][i].numel
-                            continue
-                    local = True
-                    for patch in self._torch.patches(rank, i, parts, state, params, partials, expected):
-                        changed += patch.changed
-                if parts:
-                    state = RankState(parts[-1].header, parts[-1].probe, tuple(e.checksum for e in parts[-1].entries))
-                assert state is not None  # no parts: the step is the one held
-                states.append(state)
-            if checked:
-                assert self._walker is not None
-                partials += walks.check(self._walker, checked, functools.partial(self.plan.target, params))
-                expected += [(*p.key, chains[p.key[0]][0].header.step, p.moved) for p in checked]
-        except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it
-            outcome = err
-        if outcome is not None and (self.group is None or not local):
-            raise outcome  # from the bytes every worker holds (or no group): the same everywhere
-        # decoded against its own state, a worker may fail alone: its error rides with the partial sums
-        sums = self.decisions.sum(partials, outcome) if local else []
-        for (rank, index, part_step, want), got in zip(expected, sums, strict=True):
-            if got != want:
-                raise ChecksumError(
-                    f"{self.plan.where(rank, index, part_step)} does not reproduce the trainer's checksum from the "
-                    "values the engine holds"
-                )
-        return states, chains, frozenset(walked), frozenset(whole), changed, fetched, share
+        states, walked, whole, changed = route_and_verify(
+            self.plan, self._torch, self._walker, self.decisions, self._params(), step, chains, held, scattered, verify
+        )
+        return states, chains, walked, whole, changed, fetched, share
 
     # ------------------------------------------------------------------ write
 
