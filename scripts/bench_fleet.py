@@ -556,10 +556,10 @@ def _prefetched(worker: Any) -> int | None:
     """The step the backend's prefetcher has ready (fetched, decoded, verified), -1 if it failed,
     None if none yet: the bench peeks at it so that the engine generates until a step is ready."""
     follower = worker.weight_transfer_engine.follower
-    pending = follower._prefetch if follower is not None else None
-    if pending is None or not pending[2]:
+    made = follower.prefetcher.made() if follower is not None else None
+    if made is None:
         return None
-    return getattr(pending[2][0], "step", -1)
+    return getattr(made, "step", -1)
 
 
 def vllm_main(config_path: str, name: str) -> None:

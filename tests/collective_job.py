@@ -54,6 +54,7 @@ from lightning_delta.objects import FsspecObjects
 from lightning_delta.replica import exchange
 from lightning_delta.torch_path import TorchPath
 from lightning_delta.viewmap import ViewMap
+from lightning_delta.whole_write import WholeWriter
 from tinylm import TinyLM
 
 
@@ -214,22 +215,22 @@ def main() -> None:
     mixed._params = params
     report["keyerror_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
 
-    write_slice, walk_whole, oom_calls = TorchPath.write_slice, EngineFollower._walk_whole, [0, 0]
+    write_slice, walk_whole, oom_calls = TorchPath.write_slice, WholeWriter.walk, [0, 0]
 
     def out_of_memory(self: TorchPath, *args: object) -> bool:
         oom_calls[0] += 1
         raise torch.OutOfMemoryError("out of memory while writing a whole payload")
 
-    def out_of_memory_walking(self: EngineFollower, *args: object) -> int:  # on one of the walk's threads
+    def out_of_memory_walking(self: WholeWriter, *args: object) -> int:  # on one of the walk's threads
         oom_calls[1] += 1
         raise torch.OutOfMemoryError("out of memory while walking a base's payload")
 
     if rank == 1:  # torch's write of a whole payload, and the one-pass walk of a base's
         TorchPath.write_slice = out_of_memory  # type: ignore[method-assign]
-        EngineFollower._walk_whole = out_of_memory_walking  # type: ignore[method-assign]
+        WholeWriter.walk = out_of_memory_walking  # type: ignore[method-assign]
     mixed._held = None  # both load step 5 from its base: every payload is written whole
     report["oom_write"] = outcome(lambda: mixed.update(5))
-    TorchPath.write_slice, EngineFollower._walk_whole = write_slice, walk_whole  # type: ignore[method-assign]
+    TorchPath.write_slice, WholeWriter.walk = write_slice, walk_whole  # type: ignore[method-assign]
     report["oom_calls"] = oom_calls
     report["oom_held"] = mixed.held_step
     report["oom_then"] = [outcome(lambda: mixed.update(6))[0], mixed.held_step, outcome(mixed.verify)[0]]

@@ -33,6 +33,7 @@ from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import Context
 from lightning_delta.engine import EngineFollower, EngineStep
+from lightning_delta.fetch import fetch_step
 from test_engine import follower as following
 from test_engine import publish
 
@@ -120,7 +121,7 @@ def host_only(at: str) -> bool:
     """Whether a read at `file:line` is in code that reads only host memory, by construction: the
     gloo exchange (the follower hands it the CPU) and the fetch that unpacks what it received."""
     file, line = at.rsplit(":", 1)
-    for code in (replica.exchange, replica.exchange_bytes, EngineFollower._fetch):
+    for code in (replica.exchange, replica.exchange_bytes, fetch_step):
         lines, first = inspect.getsourcelines(code)
         if os.path.samefile(file, inspect.getsourcefile(code) or "") and first <= int(line) < first + len(lines):
             return True

@@ -32,8 +32,8 @@ from conftest import replace_blob
 from lightning_delta import DeltaError, Store, whole_walk
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
-from lightning_delta.engine import EngineFollower
 from lightning_delta.publisher import DeltaPublisher, PublisherSettings
+from lightning_delta.whole_write import WholeWriter
 from test_engine import follower as following
 
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
@@ -75,13 +75,13 @@ def main() -> None:
     engine = fused.Engine(rank, size)
     follower = following(store_url, engine, group=dist.group.WORLD)
     report: dict[str, Any] = {"exact": [], "errors": [], "messages": [], "decoded": set()}
-    walk_whole = EngineFollower._walk_whole
+    walk_whole = WholeWriter.walk
 
-    def decoding(self: EngineFollower, trainer: int, *args: Any) -> Any:
+    def decoding(self: WholeWriter, trainer: int, *args: Any) -> Any:
         report["decoded"].add(trainer)
         return walk_whole(self, trainer, *args)
 
-    EngineFollower._walk_whole = decoding  # type: ignore[method-assign]
+    WholeWriter.walk = decoding  # type: ignore[method-assign]
 
     def exact(step: int) -> bool:
         state = engine.state()

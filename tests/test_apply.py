@@ -29,6 +29,7 @@ from lightning_delta import (
     group,
     plan,
     sparse_walk,
+    torch_walk,
 )
 from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
@@ -46,7 +47,7 @@ def test_each_device_takes_the_walk_that_runs_there_by_default(monkeypatch):
     monkeypatch.setattr(sparse_walk, "AVAILABLE", False)
     monkeypatch.setattr(device_walk, "AVAILABLE", False)
     assert ApplyBackend.default(CPU) == ApplyBackend.TORCH == ApplyBackend.default(CUDA)
-    assert apply.walker(None, CPU) is None
+    assert isinstance(apply.walker(None, CPU), apply.TorchWalker)
 
 
 def test_a_backend_that_cannot_run_where_it_is_asked_to_is_refused(monkeypatch):
@@ -150,7 +151,8 @@ def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fa
     monkeypatch.setattr(device_walk, "prove", lambda device: "the kernels raised RuntimeError: illegal address")
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: synced.append(device))
-    assert apply.walker(ApplyBackend.DEVICE, gpu) is None and synced == [gpu]  # the context survived: torch
+    assert isinstance(apply.walker(ApplyBackend.DEVICE, gpu), apply.TorchWalker)  # the context survived: torch
+    assert synced == [gpu]
 
     def broken(device: torch.device) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -200,17 +202,20 @@ def test_a_step_the_device_walk_wrote_and_its_check_refused_is_taken_back_with_i
     assert exact(engine, truth[5])
 
 
-def test_a_follower_told_to_use_torch_walks_nothing(store_url, monkeypatch):
+def test_a_follower_told_to_use_torch_walks_with_torch_alone(store_url, monkeypatch):
     counted = []
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
         monkeypatch.setattr(cls, "apply", lambda walk: counted.append(walk))
+    torch_walks, walk_apply = [], torch_walk.TorchWalk.apply
+    monkeypatch.setattr(torch_walk.TorchWalk, "apply", lambda walk: torch_walks.append(walk) or walk_apply(walk))
     truth = publish(store_url)
     engine = Engine()
     live = follower(store_url, engine, ApplyBackend.TORCH)
+    assert live.walks_with == ApplyBackend.TORCH
     for step in (1, 2, 3):
         live.update(step)
         assert exact(engine, truth[step])
-    assert counted == []
+    assert counted == [] and len(torch_walks) == 2  # the steps in sync, 2 and 3, through the protocol
 
 
 @st.composite
@@ -223,7 +228,7 @@ def steps(draw):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steps())
-def test_a_step_is_written_by_either_walk_alike_or_taken_back_by_both_to_the_last_bit(case):
+def test_a_step_is_written_by_every_walk_alike_or_taken_back_by_each_to_the_last_bit(case):
     cases, forged, seed = case
     g = torch.Generator().manual_seed(seed)
     before, payloads = {}, []
@@ -243,13 +248,14 @@ def test_a_step_is_written_by_either_walk_alike_or_taken_back_by_both_to_the_las
     held = {name: t.clone() for name, t in before.items()}
     moved = apply.check(apply.CpuWalker(), payloads, held.__getitem__)
     assert apply.check(apply.DeviceWalker(CPU), payloads, held.__getitem__) == moved
+    assert apply.check(apply.TorchWalker(CPU), payloads, held.__getitem__) == moved
     assert all(torch.equal(held[name], t) for name, t in before.items())  # a check writes nothing
     payloads = [
         dataclasses.replace(p, moved=(m + (1 if i == forged else 0)) & MASK64)
         for i, (p, m) in enumerate(zip(payloads, moved, strict=True))
     ]
     written = []
-    for walker in (apply.CpuWalker(), apply.DeviceWalker(CPU)):
+    for walker in (apply.CpuWalker(), apply.DeviceWalker(CPU), apply.TorchWalker(CPU)):
         held = {name: t.clone() for name, t in before.items()}
         if 0 <= forged < len(payloads):
             with pytest.raises(ChecksumError, match=f"{payloads[forged].where} does not reproduce"):
@@ -258,7 +264,7 @@ def test_a_step_is_written_by_either_walk_alike_or_taken_back_by_both_to_the_las
         else:
             assert apply.apply(walker, payloads, held.__getitem__, None) == set()  # no kept copies named
         written.append(held)
-    assert all(torch.equal(written[0][name], written[1][name]) for name in before)
+    assert all(torch.equal(written[0][name], w[name]) for w in written[1:] for name in before)
 
 
 def test_a_payload_the_device_walk_refuses_names_itself_and_nothing_is_written():
@@ -276,6 +282,9 @@ def test_a_payload_the_device_walk_refuses_names_itself_and_nothing_is_written()
     held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
     with pytest.raises(FormatError, match=r"rank 0 payload 1: .*fewer changes"):
         apply.apply(apply.DeviceWalker(CPU), [good, bad], held.__getitem__, None)
+    assert not held["w"].any() and not held["v"].any()
+    with pytest.raises(FormatError):  # torch's decoder refuses it too, after the good payload was walked in
+        apply.apply(apply.TorchWalker(CPU), [good, bad], held.__getitem__, None)
     assert not held["w"].any() and not held["v"].any()
 
 

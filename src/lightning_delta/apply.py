@@ -9,8 +9,12 @@ small protocol.
   (on the CPU only under `TRITON_INTERPRET=1`, which is how it is tested).  Its kernels prove
   themselves on the device when the walker is made, before anything is written; where they fail,
   the follower takes torch.
-- `ApplyBackend.TORCH`: nothing walked; the follower decodes with torch a chunk at a time
-  (`torch_path`: the reference, and the path of CLASSED payloads and of chains from a base).
+- `ApplyBackend.TORCH` (`torch_walk`): each payload decoded with torch a chunk of changes at a
+  time, checked and written through the same segment tables: the reference, and where the others
+  cannot run (no numba, no triton, kernels that failed their proof).
+
+What no walk takes (CLASSED payloads, chains from a base, maps a table cannot address) the
+follower decodes with `torch_path`, verifying before it writes.
 
 Whatever the backend, a step is written before it is checked and taken back if any worker's check
 fails (steps add mod 2**16, so `undo` restores every bit): `apply` walks every payload, settles
@@ -32,13 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import codec, device_walk, sparse_walk
+from . import codec, device_walk, sparse_walk, torch_path
 from . import format as fmt
 from .errors import ChecksumError, DeviceError, FormatError
 from .group import sum_partials
 from .sparse_walk import Segments
+from .torch_walk import TorchWalk
 
-__all__ = ["ApplyBackend", "Payload", "Walker", "apply", "backend_of", "check", "walker"]
+__all__ = ["ApplyBackend", "Payload", "TorchWalker", "Walker", "apply", "backend_of", "check", "walker"]
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +127,15 @@ class Walker(Protocol):
         ...
 
 
-def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
-    """The walker of `backend` (None: `ApplyBackend.default`) on `device`; None for torch.
-    Raises `ValueError` where the backend cannot run.  The device walk first proves its kernels on
-    `device` (`device_walk.prove`): where they raise or disagree with torch's decoder, one warning
-    says what failed, and the follower writes with torch (None) for its life; `DeviceError` where
-    the failure broke the device's CUDA context (torch could not write there either)."""
+def walker(backend: ApplyBackend | None, device: torch.device) -> Walker:
+    """The walker of `backend` (None: `ApplyBackend.default`) on `device`.  Raises `ValueError`
+    where the backend cannot run.  The device walk first proves its kernels on `device`
+    (`device_walk.prove`): where they raise or disagree with torch's decoder, one warning says what
+    failed, and the follower walks with torch for its life; `DeviceError` where the failure broke
+    the device's CUDA context (torch could not write there either)."""
     backend = backend or ApplyBackend.default(device)
     if backend == ApplyBackend.TORCH:
-        return None
+        return TorchWalker(device)
     if backend == ApplyBackend.CPU_WALK:
         if device.type != "cpu" or not sparse_walk.AVAILABLE:
             raise ValueError(f"the CPU walk writes CPU parameters with numba, not parameters on {device}")
@@ -160,15 +165,15 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker | None:
             device,
             failed,
         )
-        return None
+        return TorchWalker(device)
     return DeviceWalker(device)
 
 
 def backend_of(walker: Walker | None) -> ApplyBackend:
-    """The backend a walker made by `walker` is (None: torch)."""
-    if walker is None:
-        return ApplyBackend.TORCH
-    return ApplyBackend.DEVICE if isinstance(walker, DeviceWalker) else ApplyBackend.CPU_WALK
+    """The backend a walker made by `walker` is (None: none, which writes with torch)."""
+    if isinstance(walker, DeviceWalker):
+        return ApplyBackend.DEVICE
+    return ApplyBackend.CPU_WALK if isinstance(walker, CpuWalker) else ApplyBackend.TORCH
 
 
 def check(walker: Walker, payloads: Sequence[Payload], targets: Callable[[Name], Tensor]) -> list[int]:
@@ -260,6 +265,27 @@ class _CpuWalk:
 
     def wrote(self, at: int) -> bool:
         return at in self._wrote
+
+
+# ---------------------------------------------------------------------------------- the torch walk
+
+
+class TorchWalker:
+    """`ApplyBackend.TORCH`: a payload's walk decodes with torch a chunk at a time (`torch_walk`),
+    raises where it is malformed, and its result is the move itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def takes(self, names: Sequence[Name]) -> bool:
+        return True
+
+    def walk(self, payload: Payload, targets: Sequence[Tensor]) -> PayloadWalk:
+        chunk = torch_path.chunk_size(sum(t.numel() for t in targets), self.device)
+        return TorchWalk(payload, targets, self.device, chunk)
+
+    def settle(self, payloads: Sequence[Payload], moved: Sequence[Moved]) -> list[int]:
+        return [int(m) for m in moved]
 
 
 # ---------------------------------------------------------------------------------- the device walk

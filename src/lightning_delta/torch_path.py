@@ -1,6 +1,7 @@
-"""The torch reference of an engine follower's writes (`ApplyBackend.TORCH`, and the path of what
-no walk takes: CLASSED payloads, chains from a base, a late follower's steps composed, tensors the
-map holds in ways a walk cannot address).
+"""An engine follower's writes of what no walk takes (`apply`: the CPU walk, the device walk, and
+torch's walk, `ApplyBackend.TORCH`): CLASSED payloads, chains from a base, steps composed on a
+payload shipped whole, tensors the map holds in ways a walk cannot address.  They are verified
+before anything is written, not walked in and taken back.
 
 A payload is decoded with torch into what it does (`codec.decode_steps`: changed positions and
 16-bit steps, or every element), a chunk of changes at a time for a step from the state held, so
@@ -26,11 +27,12 @@ from . import codec
 from . import format as fmt
 from .checksum import checksum, checksum_at, checksum_update
 from .errors import ChecksumError, DeltaError, SnapshotNotFoundError
+from .group import Agreed
 from .patch import PayloadView, RankState
 from .replica import exchange_bytes
 from .viewmap import Box, ViewMap
 
-__all__ = ["Agreed", "PayloadPatch", "TorchPath", "flat_bits"]
+__all__ = ["PayloadPatch", "TorchPath", "chunk_size", "flat_bits"]
 
 log = logging.getLogger("lightning_delta.engine")
 """The engine follower's logger: its warnings (a CLASSED payload in a group) are filtered by that name."""
@@ -46,16 +48,6 @@ _CHUNK_PER_ELEMENT, _CHUNK_PER_ELEMENT_ON_GPU = 1 / 8192, 1 / 2048
 larger on a GPU (host syncs and kernel launches).  Measured at 2% changed:
 0.035x-0.062x the model beyond the engine on the CPU (scripts/bench_vllm.py), 0.022x on an H200
 (scripts/gpu_check.py)."""
-
-
-class Agreed(Exception):
-    """The group's decision on a failure, reached in an exchange inside a decode (`error`, raised
-    on every worker): the outcome exchange that follows it elsewhere is skipped, for a worker that
-    failed before the decode has left it already."""
-
-    def __init__(self, error: DeltaError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass
@@ -96,8 +88,7 @@ class TorchPath:
         self._shapes = [t.shape for t in run.manifest.tensors]
         held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes)
         held += sum(t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
-        per_element = _CHUNK_PER_ELEMENT if device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
-        self._chunk = max(_CHUNK, int(held * per_element))
+        self._chunk = chunk_size(held, device)
         self._warned_classed = False
 
     def patches(
@@ -390,6 +381,12 @@ def _on(where: slice | Tensor, device: torch.device) -> slice | Tensor:
 
 def _shift(where: slice | Tensor, by: int) -> slice | Tensor:
     return slice(where.start + by, where.stop + by) if isinstance(where, slice) else where + by
+
+
+def chunk_size(held: int, device: torch.device) -> int:
+    """The changes decoded at a time by a worker that holds `held` elements (`_CHUNK`)."""
+    per_element = _CHUNK_PER_ELEMENT if device.type == "cpu" else _CHUNK_PER_ELEMENT_ON_GPU
+    return max(_CHUNK, int(held * per_element))
 
 
 def flat_bits(tensor: Tensor) -> Tensor:
