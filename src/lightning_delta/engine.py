@@ -542,9 +542,10 @@ class EngineFollower:
         except Exception as err:
             failure = err
         if self.group is not None:
-            scatter.agree(failure, self.group)  # past it, every worker sends and receives
+            # past it, every worker sends and receives
+            transfers = scatter.agree(failure, sending, receiving, self.group)
             try:
-                scatter.send_receive(sending, receiving, self.group)
+                transfers.run()
                 sending.clear()
                 keys = sorted(prepared.whole)
                 with ThreadPoolExecutor(max_workers=max(1, min(len(receiving), _threads()))) as pool:
