@@ -27,9 +27,9 @@ __all__ = ["Cadence"]
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 6, least: int = 2) -> None:
+    def __init__(self, keep: int = 6, least: int = 3) -> None:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
-        self._least = least  # gaps before a rhythm is trusted
+        self._least = least  # gaps before a rhythm is trusted (a median of two is their mean: one outlier moves it)
 
     def arrived(self, at: float) -> None:
         """A new step was found at `at` (seconds, monotonic)."""
