@@ -11,8 +11,10 @@ the ones after it.  Waking at the earliest of those places finds each step as so
 but a trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then
 polled through the whole spread, every poll a request that finds nothing.  `late` wakes at a
 quantile of those places instead: about that share of steps is found at the first poll (late, by
-up to the spread), and the polls before the others shrink with it.  A backlog found at once (gaps
-of zero) turns the schedule off until the rhythm is steady again.
+up to the spread), and the polls before the others shrink with it.  A place earlier than half a
+gap after the newest arrival comes from before a pause (a trainer's warm-up) and is passed over;
+with two gaps only, the shorter one is the rhythm.  A backlog found at once (gaps of zero) turns
+the schedule off until the rhythm is steady again.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from collections import deque
 
 __all__ = ["Cadence"]
 
+_STEADY = 3
+"""Gaps before their median is the rhythm; with two, the shorter one, from the newest arrival."""
+
 
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 6, least: int = 3) -> None:
+    def __init__(self, keep: int = 6) -> None:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
-        self._least = least  # gaps before a rhythm is trusted (a median of two is their mean: one outlier moves it)
 
     def arrived(self, at: float) -> None:
         """A new step was found at `at` (seconds, monotonic)."""
@@ -46,11 +50,15 @@ class Cadence:
         late (it was there at the first poll) does not move the earliest place later, so one late
         find is not carried over to every step."""
         gaps = self._gaps()
-        if len(gaps) < self._least or min(gaps) <= 0:
+        if len(gaps) < 2 or min(gaps) <= 0:
             return poll  # no rhythm yet, or a backlog found at once
+        newest = self._arrivals[-1]
+        if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
+            return max(poll, newest + min(gaps) - poll - now)
         usual = statistics.median(gaps)
         n = len(self._arrivals)
-        places = sorted(at + (n - i) * usual for i, at in enumerate(self._arrivals))
+        # a place before the newest arrival's half-gap is an arrival off the rhythm (before a pause)
+        places = sorted(p for i, at in enumerate(self._arrivals) if (p := at + (n - i) * usual) >= newest + usual / 2)
         due = places[int(late * (len(places) - 1))]
         return max(poll, due - poll - now)
 
