@@ -11,18 +11,19 @@ Object names are predictable (docs/FORMAT.md), so a following mirror mostly list
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
 stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
 held until the marker checks it), then looks for the step after it, unless the one it copied had
-just come.  A step not there yet costs two small requests per rank (404s), where a listing pass
-costs three or more round trips one after another and grows with the chain.  The source is listed at
-the first pass, every `list_seconds`, when the next step is overdue (it may have another number),
-after a base (the source's retention deletes then), and while the mirror is stopped at damage.
-Following, it sleeps until shortly before the next step is due (`cadence`), so a fine
-`poll_seconds` finds steps sooner without a request every `poll_seconds` between them; a trainer
-whose steps jitter is polled through its spread, and `late_share` trades some steps found late
-for fewer of those polls.  Objects are created exclusively
+just come.  Until anything of a step is there, a pass asks for one rank's marker and blob only, then
+every rank's (with several ranks, one round trip more a step): a step not there yet costs two small
+requests (404s), not two per rank, where a listing pass costs three or more round trips one after
+another and grows with the chain.  The source is listed at the first pass, every `list_seconds`,
+when the next step is overdue (it may have another number), after a base (the source's retention
+deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly before
+the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a request
+every `poll_seconds` between them; a trainer whose steps jitter is polled through its spread, and
+`late_share` trades some steps found late for fewer of those polls.  Objects are created exclusively
 and only missing ones are written, so a mirror killed at any moment resumes where it stopped; an
 object already at the mirror must be identical.  Each source object is read once (a damaged one
-again until it heals).  A damaged source object is never copied: the mirror stops at its step,
-says which object, and goes on once the source heals, or from a newer base that does not need it.
+again until it heals).  A damaged source object is never copied: the mirror stops at its step, says
+which object, and goes on once the source heals, or from a newer base that does not need it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -314,11 +315,18 @@ class Mirror:
         parts = [_Part(step, rank, world, False) for rank in range(world)]
         with self._lock:  # blobs read ahead for another step (the guess moved on) are dropped
             self._ahead = {p: b for p, b in self._ahead.items() if p.step == step}
-            ahead = [p for p in parts if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest]
-        jobs = [(self._source_marker, p) for p in parts] + [(self._read_ahead, p) for p in ahead]
-        markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(parts)]
-        if any(m is None for m in markers):
-            return None
+            unseen = not any(p.marker_key in self._markers for p in parts)
+        # nothing of the step seen yet: one rank's marker (and blob) until it comes, then every
+        # rank's at once, so a poll that finds nothing is one or two 404s, not two per rank
+        for asked in ([parts[:1]] if unseen and world > 1 else []) + [parts]:
+            with self._lock:
+                ahead = [
+                    p for p in asked if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest
+                ]
+            jobs = [(self._source_marker, p) for p in asked] + [(self._read_ahead, p) for p in ahead]
+            markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(asked)]
+            if any(m is None for m in markers):
+                return None
         if any(m is not None and m.kind == fmt.Kind.DELTA and m.prev_step != after for m in markers):
             return []
         bridges = [
