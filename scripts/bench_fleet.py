@@ -418,7 +418,8 @@ def region_main(config_path: str) -> None:
 
     def mirror_loop() -> None:
         home = f"s3://{cfg['bucket']}/run"
-        settings = MirrorSettings(poll_seconds=cfg["mirror_poll"], threads=4)
+        late = {} if cfg["mirror_late"] is None else {"late_share": cfg["mirror_late"]}
+        settings = MirrorSettings(poll_seconds=cfg["mirror_poll"], threads=4, **late)
         with Mirror(home, cfg["mirror_dir"], settings, source_options=options) as mirror:
             timed(mirror.source.objects, events, lock)  # each GET's round trip: the lag in object round trips
             seen = None
@@ -783,6 +784,7 @@ def run_phase(
                 "generate": args.generate,
                 "poll": args.poll,
                 "mirror_poll": args.mirror_poll,
+                "mirror_late": args.mirror_late,
                 "mirror_dir": str(work / f"mirror-{link.region}"),
                 "join": mode != "full_sync" and link is link_list[0],
                 "vllm": args.vllm if link.region == args.vllm_region else None,
@@ -1065,6 +1067,17 @@ def table(phases: list[Phase], mbit: float) -> str:
                     if r in f.object_rtt
                 )
             )
+        misses = {
+            r: [e for e in events if e["kind"] == "get" and e["key"].endswith(".commit") and not e["found"]]
+            for r, events in phase.events.items()
+        }
+        if any(misses.values()):
+            start, end = phase.window
+            w = len(phase.step_bytes)
+            found = ", ".join(f"{r} {sum(start <= e['t0'] <= end for e in v) / w:.1f}" for r, v in misses.items())
+            notes.append(
+                f"mirror polls that found no marker (a 404 each, and its blob's with read-ahead), per step: {found}"
+            )
         if phase.requests:
             w = len(phase.step_bytes)
             asked = ", ".join(f"{r} {v / w:.1f}" for r, v in phase.requests.items())
@@ -1163,6 +1176,9 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=0.25, help="seconds between a follower's polls")
     p.add_argument(
         "--mirror-poll", type=float, default=0.02, help="seconds between a mirror's passes once a step is due"
+    )
+    p.add_argument(
+        "--mirror-late", type=float, help="the share of steps a mirror finds late (MirrorSettings.late_share)"
     )
     p.add_argument("--base-every", type=int, default=25)
     p.add_argument("--no-kernel", action="store_true", help="shape in the proxy even as root")

@@ -10,15 +10,18 @@ byte of rank 1's part of step 5 with the marker re-signed (a store that lies con
 the trainer's checksums catch it, after the elements were decoded and sent).  Each worker then
 loads step 1; step 3; step 5; step 7 with the last worker failing as it writes what it received,
 after the transfer; step 7 with worker 0 failing as it gathers its peers' elements, before it;
-step 7 again.  Each writes
+step 7 again; step 7 with every transfer changed in an element its receiver does not own; step 7
+with worker 0 sending nothing of its first transfer; step 7 again.  Each writes
 OUT/rank-R.json: whether its parameters equal its slices of the trainer's tensors, the error of
 each failed load and the step held after it, and the trainer ranks whose payloads it decompressed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,7 @@ from lightning_delta import DeltaError, Store, whole_walk
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
 from lightning_delta.publisher import DeltaPublisher, PublisherSettings
+from lightning_delta.sparse_walk import SEGMENT_FIELDS, Segments
 from lightning_delta.whole_write import WholeWriter
 from test_engine import follower as following
 
@@ -52,6 +56,47 @@ def publish(url: str, group: dist.ProcessGroup) -> dict[int, dict[str, torch.Ten
             truth[step] = {k: v.clone() for k, v in state.items()}
             publisher.publish(step)
     return truth
+
+
+def unowned(segments: Segments | None) -> int | None:
+    """Where in a peer's transfer (`segments`, its table) the first element it does not own is."""
+    at = 0
+    for row in segments.calls[:-1] if segments is not None else ():
+        n = whole_walk.count(Segments(np.array([row], dtype=np.int64), segments.n))
+        if n and not row[SEGMENT_FIELDS.index("owned")]:
+            return at
+        at += n
+    return None
+
+
+@contextlib.contextmanager
+def corrupted(report: dict[str, Any]) -> Iterator[None]:
+    """Every transfer this worker sends arrives with its first element the receiver does not own
+    (a replicated norm) changed, after its sender gathered it: the group's checksum does not count
+    that element (`report["corrupted"]`: how many transfers)."""
+    gather, isend = whole_walk.WholeWalk.gather, dist.isend
+    gathered: dict[int, Segments] = {}
+    held: list[torch.Tensor] = []
+
+    def gathering(self: whole_walk.WholeWalk, segments: Segments) -> np.ndarray:
+        out = gather(self, segments)
+        gathered[out.ctypes.data] = segments
+        return out
+
+    def sending(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        at = unowned(gathered.get(tensor.data_ptr()))
+        if at is not None:
+            tensor = tensor.clone()
+            tensor[at] ^= 1
+            held.append(tensor)  # alive until the send is done
+            report["corrupted"] = report.get("corrupted", 0) + 1
+        return isend(tensor, *args, **kwargs)
+
+    whole_walk.WholeWalk.gather, dist.isend = gathering, sending  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        whole_walk.WholeWalk.gather, dist.isend = gather, isend  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -119,6 +164,18 @@ def main() -> None:
         whole_walk.WholeWalk.gather = failing_gather  # type: ignore[method-assign]
     load(7)
     whole_walk.WholeWalk.gather = gather  # type: ignore[method-assign]
+    load(7)
+    with corrupted(report):  # a transfer that arrives changed in elements its receiver does not own
+        load(7)
+    if rank == 0:  # sends nothing of its first transfer: its receiver would wait for it forever
+
+        def dropping(self: WholeWriter, trainer: int, *args: Any) -> Any:
+            share, sends = decoding(self, trainer, *args)
+            return share, sends[1:]
+
+        WholeWriter.walk = dropping  # type: ignore[method-assign]
+    load(7)
+    WholeWriter.walk = decoding  # type: ignore[method-assign]
     load(7)
     report["decoded"] = sorted(report["decoded"])
     jobs.report(out, rank, report)

@@ -21,6 +21,7 @@ from lightning_delta import (
     FollowSettings,
     FormatError,
     Mirror,
+    MirrorSettings,
     SnapshotNotFoundError,
     Store,
 )
@@ -314,3 +315,33 @@ def test_a_mirror_of_a_two_rank_chain_with_an_incomplete_step_serves_what_the_so
                 continue
             state = DeltaLoader(where).state_dict(step)[1]
             assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, step).items()), (where, step)
+
+
+def test_a_mirror_asks_for_one_ranks_objects_until_a_two_rank_step_comes(store_copy):
+    """Following a two-rank chain, a pass that finds the next step not there yet asks for one
+    rank's marker and blob (two 404s, not two per rank); once it comes, every rank's part."""
+    store, truth = store_copy
+    later = Path(store).parent / "later"
+    later.mkdir()
+    shutil.move(Path(store, fmt.step_dir(21)), later / "21")
+    for step in range(22, 31):
+        shutil.rmtree(Path(store, fmt.step_dir(step)))
+    mirror = str(Path(store).parent / "mirror")
+    with Mirror(store, mirror, MirrorSettings(list_seconds=1000)) as m:
+        assert m.sync().mirror_step == 20 and m.metrics.listings == 1
+        asked: list[str] = []
+        get = m.source.objects.get
+
+        def recorded(key: str, start: int = 0, end: int | None = None) -> bytes | None:
+            asked.append(key)
+            return get(key, start, end)
+
+        m.source.objects.get = recorded  # type: ignore[method-assign]
+        assert m.sync().mirror_step == 20 and m.metrics.listings == 1  # found by its names: not there
+        assert sorted(asked) == sorted([fmt.blob_path(21, 0, 2), fmt.commit_path(21, 0, 2)])
+        shutil.move(later / "21", Path(store, fmt.step_dir(21)))
+        asked.clear()
+        assert m.sync().mirror_step == 21
+        assert {fmt.commit_path(21, 0, 2), fmt.commit_path(21, 1, 2)} <= set(asked)
+    state = DeltaLoader(mirror).state_dict(21)[1]
+    assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, 21).items())

@@ -309,6 +309,26 @@ def test_a_cadence_waits_until_the_next_step_is_due_and_polls_once_steps_come_ea
     assert cadence.wait(9.5, 0.1) == 0.1
 
 
+def test_a_cadence_with_a_late_share_wakes_at_that_quantile_of_where_the_recent_steps_put_the_next():
+    """A trainer whose steps jitter: each recent arrival, whole usual gaps on, is a place the next
+    step may come; `late` wakes at that quantile of them (fewer polls, that share found late)."""
+    cadence = Cadence(keep=4)
+    for t in (0.0, 2.3, 4.0):
+        cadence.arrived(t)
+    assert cadence.wait(4.0, 0.1) == pytest.approx(1.6)  # two gaps: the shorter, 1.7, from the newest
+    for t in (6.6, 8.0):
+        cadence.arrived(t)  # gaps 2.3, 1.7, 2.6, 1.4: places 10.0, 10.3, 10.0, 10.6, 10.0
+    assert cadence.wait(8.0, 0.1) == pytest.approx(1.9)  # the earliest, 10.0
+    assert cadence.wait(8.0, 0.1, late=0.75) == pytest.approx(2.2)  # the fourth of five, 10.3
+    assert cadence.wait(8.0, 0.1, late=0.5) == pytest.approx(1.9)  # the third, 10.0
+    paused = Cadence(keep=4)
+    for t in (0.0, 8.5, 10.5, 12.5):  # a warm-up's pause, then a 2 s rhythm
+        paused.arrived(t)
+    assert paused.wait(12.5, 0.1) == pytest.approx(1.9)  # due at 14.5, not at 0.0 + 4 x 2.0 (passed)
+    with pytest.raises(ValueError, match="late_share"):
+        MirrorSettings(late_share=1.0)
+
+
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():
     source, mirror = DictObjects(), Recording()
     torch.manual_seed(0)

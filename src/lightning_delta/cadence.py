@@ -4,11 +4,17 @@ Every poll of a remote store is a request, and a request's headers cost about as
 object (about 1.4 KB on S3 with SigV4).  A trainer commits at a steady rhythm, so a poller that
 slept until shortly before the next step is due, and polled every `poll` from there, finds each
 step about as soon as one polling all the time, with a few requests a step instead of one every
-`poll`.  The schedule is the chain's usual gap (the median of the recent ones) from the earliest
-place any recent arrival puts the next step: a step found late (already there at the first poll)
-does not delay the ones after it; only a step that comes sooner than every recent arrival predicts
-is found late (by as much as it came sooner); and a backlog found at once (gaps of zero) turns the
-schedule off until the rhythm is steady again.
+`poll`.  The schedule is the chain's usual gap (the median of the recent ones) from where the
+recent arrivals put the next step: each recent arrival, a whole number of usual gaps on, is a
+place the next step may come; a step found late (already there at the first poll) does not delay
+the ones after it.  Waking at the earliest of those places finds each step as soon as it comes,
+but a trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then
+polled through the whole spread, every poll a request that finds nothing.  `late` wakes at a
+quantile of those places instead: about that share of steps is found at the first poll (late, by
+up to the spread), and the polls before the others shrink with it.  A place earlier than half a
+gap after the newest arrival comes from before a pause (a trainer's warm-up) and is passed over;
+with two gaps only, the shorter one is the rhythm.  A backlog found at once (gaps of zero) turns
+the schedule off until the rhythm is steady again.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from collections import deque
 
 __all__ = ["Cadence"]
 
+_STEADY = 3
+"""Gaps before their median is the rhythm; with two, the shorter one, from the newest arrival."""
+
 
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 6) -> None:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
 
     def arrived(self, at: float) -> None:
@@ -33,17 +42,24 @@ class Cadence:
     def _gaps(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self._arrivals)]
 
-    def wait(self, now: float, poll: float) -> float:
+    def wait(self, now: float, poll: float, late: float = 0.0) -> float:
         """Seconds until the next poll: `poll`, or longer while the next step is not yet due, less
-        one `poll` of margin.  The next step is due at the earliest time any recent arrival puts
-        it at, a usual gap (the median) apart: a step found late (it was there at the first poll)
-        does not move the schedule later, so one late find is not carried over to every step."""
+        one `poll` of margin.  Each recent arrival, a usual gap (the median) apart, puts the next
+        step somewhere; it is due at the earliest of those places, or with `late` (0 to 1) at that
+        quantile of them, so about that share of steps is found at the first poll.  A step found
+        late (it was there at the first poll) does not move the earliest place later, so one late
+        find is not carried over to every step."""
         gaps = self._gaps()
-        if len(gaps) < self._arrivals.maxlen - 1 or min(gaps) <= 0:  # type: ignore[operator]  # maxlen is set
+        if len(gaps) < 2 or min(gaps) <= 0:
             return poll  # no rhythm yet, or a backlog found at once
+        newest = self._arrivals[-1]
+        if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
+            return max(poll, newest + min(gaps) - poll - now)
         usual = statistics.median(gaps)
         n = len(self._arrivals)
-        due = min(at + (n - i) * usual for i, at in enumerate(self._arrivals))
+        # a place before the newest arrival's half-gap is an arrival off the rhythm (before a pause)
+        places = sorted(p for i, at in enumerate(self._arrivals) if (p := at + (n - i) * usual) >= newest + usual / 2)
+        due = places[int(late * (len(places) - 1))]
         return max(poll, due - poll - now)
 
     def overdue(self, now: float) -> bool:

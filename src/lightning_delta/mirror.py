@@ -11,16 +11,19 @@ Object names are predictable (docs/FORMAT.md), so a following mirror mostly list
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
 stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
 held until the marker checks it), then looks for the step after it, unless the one it copied had
-just come.  A step not there yet costs two small requests per rank (404s), where a listing pass
-costs three or more round trips one after another and grows with the chain.  The source is listed at
-the first pass, every `list_seconds`, when the next step is overdue (it may have another number),
-after a base (the source's retention deletes then), and while the mirror is stopped at damage.
-Following, it sleeps until shortly before the next step is due (`cadence`), so a fine
-`poll_seconds` finds steps sooner without a request every `poll_seconds` between them.  Objects are created exclusively
+just come.  Until anything of a step is there, a pass asks for one rank's marker and blob only, then
+every rank's (with several ranks, one round trip more a step): a step not there yet costs two small
+requests (404s), not two per rank, where a listing pass costs three or more round trips one after
+another and grows with the chain.  The source is listed at the first pass, every `list_seconds`,
+when the next step is overdue (it may have another number), after a base (the source's retention
+deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly before
+the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a request
+every `poll_seconds` between them; a trainer whose steps jitter is polled through its spread, and
+`late_share` trades some steps found late for fewer of those polls.  Objects are created exclusively
 and only missing ones are written, so a mirror killed at any moment resumes where it stopped; an
 object already at the mirror must be identical.  Each source object is read once (a damaged one
-again until it heals).  A damaged source object is never copied: the mirror stops at its step,
-says which object, and goes on once the source heals, or from a newer base that does not need it.
+again until it heals).  A damaged source object is never copied: the mirror stops at its step, says
+which object, and goes on once the source heals, or from a newer base that does not need it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -73,6 +76,11 @@ class MirrorSettings:
     paced: bool = True
     """Following, sleep until shortly before the next step is due (the chain's recent rhythm)
     instead of polling every `poll_seconds` in between: a few requests a step, not one a poll."""
+    late_share: float = 0.25
+    """Paced, the share of steps found at the first poll after a sleep, late by up to the trainer's
+    jitter (`Cadence.wait`'s `late`): 0 wakes at the earliest time the recent steps put the next one
+    at and polls through all of the jitter, each poll that finds nothing a request (two with
+    `read_ahead`, ~3 KB on S3); more wakes later, with fewer of them."""
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
     round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
@@ -89,6 +97,8 @@ class MirrorSettings:
             raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
         if self.list_seconds <= 0:
             raise ValueError(f"list_seconds must be > 0, got {self.list_seconds}")
+        if not 0 <= self.late_share < 1:
+            raise ValueError(f"late_share must be >= 0 and < 1, got {self.late_share}")
 
 
 @dataclass
@@ -237,8 +247,8 @@ class Mirror:
         stop = stop or threading.Event()
         while not stop.is_set():
             yield self.sync()
-            poll = self.settings.poll_seconds
-            stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
+            poll, late = self.settings.poll_seconds, self.settings.late_share
+            stop.wait(self._cadence.wait(time.monotonic(), poll, late) if self.settings.paced else poll)
 
     def sync(self) -> MirrorMetrics:
         """One pass: copy what the source holds and the mirror does not, then apply retention
@@ -249,7 +259,7 @@ class Mirror:
             if self._listing_due(now):
                 self._list(world, now)
             else:
-                self._probe(world)
+                self._probe(world, now)
         with self._lock:
             return replace(self.metrics)
 
@@ -261,8 +271,9 @@ class Mirror:
         usual = self._cadence.usual_gap()  # an overdue step is looked for once a usual gap at most
         return self._cadence.overdue(now) and (usual is None or now - self._listed_at >= usual)
 
-    def _probe(self, world: int) -> None:
-        """A pass by names: the step expected next, and the ones after it while they are there."""
+    def _probe(self, world: int, now: float) -> None:
+        """A pass by names (begun at `now`): the step expected next, and the ones after it while
+        they are there."""
         mirrored_base = copied = False
         stopped = None
         fresh, self._missed = self._missed, False  # the last pass missed it: a step found now just came
@@ -282,8 +293,8 @@ class Mirror:
             mirrored_base, copied = mirrored_base or base, copied or step in self._done
             if step not in self._done or fresh:  # a step that just came: the next is not there yet
                 break
-        if copied:
-            self._cadence.arrived(time.monotonic())
+        if copied:  # the pass's start: nearer the commit than its end, after the step's bytes
+            self._cadence.arrived(now)
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
             return
@@ -304,11 +315,18 @@ class Mirror:
         parts = [_Part(step, rank, world, False) for rank in range(world)]
         with self._lock:  # blobs read ahead for another step (the guess moved on) are dropped
             self._ahead = {p: b for p, b in self._ahead.items() if p.step == step}
-            ahead = [p for p in parts if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest]
-        jobs = [(self._source_marker, p) for p in parts] + [(self._read_ahead, p) for p in ahead]
-        markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(parts)]
-        if any(m is None for m in markers):
-            return None
+            unseen = not any(p.marker_key in self._markers for p in parts)
+        # nothing of the step seen yet: one rank's marker (and blob) until it comes, then every
+        # rank's at once, so a poll that finds nothing is one or two 404s, not two per rank
+        for asked in ([parts[:1]] if unseen and world > 1 else []) + [parts]:
+            with self._lock:
+                ahead = [
+                    p for p in asked if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest
+                ]
+            jobs = [(self._source_marker, p) for p in asked] + [(self._read_ahead, p) for p in ahead]
+            markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(asked)]
+            if any(m is None for m in markers):
+                return None
         if any(m is not None and m.kind == fmt.Kind.DELTA and m.prev_step != after for m in markers):
             return []
         bridges = [
@@ -343,7 +361,7 @@ class Mirror:
         if len(newest) >= 2:
             self._stride = newest[-1] - newest[-2]
         if max(self._done, default=None) != before:
-            self._cadence.arrived(time.monotonic())
+            self._cadence.arrived(now)
         self._known = set(newest)
         self._stopped = stopped
         self._update(stopped)

@@ -80,9 +80,10 @@ class WholeWriter:
         except Exception as err:
             failure = err
         if self.decisions.group is not None:
-            scatter.agree(failure, self.decisions.group)  # past it, every worker sends and receives
+            # past it, every worker sends and receives
+            transfers = scatter.agree(failure, sending, receiving, self.decisions.group)
             try:
-                scatter.send_receive(sending, receiving, self.decisions.group)
+                transfers.run()
                 sending.clear()
                 keys = sorted(whole)
                 with ThreadPoolExecutor(max_workers=max(1, min(len(receiving), _threads()))) as pool:
