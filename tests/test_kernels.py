@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_delta import DeltaPublisher, PublisherSettings, apply, codec, sparse_walk
+from lightning_delta import DeltaPublisher, PublisherSettings, apply, bitpack, codec, elias_fano, sparse_walk
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.checksum import checksum_at
 from lightning_delta.codec import Mode
@@ -139,14 +139,14 @@ def test_a_hostile_payload_is_refused_where_the_walk_refuses_it_and_nothing_is_w
 def one_change(n: int, bucket: int, low: int) -> codec.Packed:
     """A payload of `n` positions with one change, +1, at `bucket << low_bits | low`: past the
     end where the last bucket holds positions `n` and over, or the bucket is past the last."""
-    low_bits = codec._low_bits(n, 1)
-    high = torch.zeros(codec._high_len(n, 1, low_bits), dtype=torch.bool)
+    low_bits = elias_fano.low_bits(n, 1)
+    high = torch.zeros(elias_fano.high_len(n, 1, low_bits), dtype=torch.bool)
     high[bucket] = True  # after `bucket` zeros: each ends a bucket
     sections = (
-        codec._pack_fixed(torch.tensor([low]), low_bits) if low_bits else torch.empty(0, dtype=torch.uint8),
-        codec._pack_bits(high),
-        codec._pack_bits(torch.tensor([True])),
-        codec._pack_bits(torch.tensor([True])),
+        bitpack.pack_fixed(torch.tensor([low]), low_bits) if low_bits else torch.empty(0, dtype=torch.uint8),
+        bitpack.pack_bits(high),
+        bitpack.pack_bits(torch.tensor([True])),
+        bitpack.pack_bits(torch.tensor([True])),
         torch.empty(0, dtype=torch.uint8),
     )
     packed = codec.Packed(Mode.SPARSE, codec.ValueCoding.SPLIT, low_bits, torch.bfloat16, n, 1, 0, sections)
@@ -155,7 +155,7 @@ def one_change(n: int, bucket: int, low: int) -> codec.Packed:
 
 @pytest.mark.parametrize("n", [70, 100, 1000])
 def test_a_position_past_the_end_is_refused_where_the_walk_refuses_it_and_never_written(n):
-    low_bits = codec._low_bits(n, 1)
+    low_bits = elias_fano.low_bits(n, 1)
     last = (n - 1) >> low_bits  # the last bucket
     param = torch.zeros((last + 2) << low_bits, dtype=torch.int16)  # room past the payload: a stray store would land
     table = sparse_walk.Segments(np.array([[0, n, *WHOLE[2:]]], dtype=np.int64), n)
