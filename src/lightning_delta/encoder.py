@@ -6,6 +6,7 @@ Only the packed sections, a few bytes per change, go to the host for `wire.seria
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
@@ -19,7 +20,7 @@ from .compressors import Compressor
 from .packed import Change, Mode, Packed, ValueCoding, check_pair, check_tensor
 from .records import enum_member
 
-__all__ = ["CodecOptions", "Context", "diff", "diff_counted", "may_pack_raw", "pack_delta", "pack_full"]
+__all__ = ["CodecOptions", "Context", "diff", "diff_at", "diff_counted", "may_pack_raw", "pack_delta", "pack_full"]
 
 
 class Context(IntEnum):
@@ -92,10 +93,21 @@ def diff_counted(old: Tensor, new: Tensor, changed: Tensor, count: int, *, expon
     caller finds every tensor's count with one host sync (`changed.sum()` of each, then one
     transfer of them all), and this does the rest without another (`nonzero_static`)."""
     check_pair(old, new)
-    a, b = old.view(torch.int16), new.view(torch.int16)
+    bits = new.view(torch.int16)
+    return diff_at(old, changed, count, lambda index: bits.index_select(0, index), exponents=exponents)
+
+
+def diff_at(
+    old: Tensor, changed: Tensor, count: int, new_at: Callable[[Tensor], Tensor], *, exponents: bool = False
+) -> Change:
+    """`diff_counted` that reads the new values only where they changed: `new_at(index)` gives
+    their int16 bits at those positions.  A trainer's new tensor is a cast of its masters, read
+    whole once for the mask; reading it again only at the changed positions makes the diff one
+    read of the masters and the cache, not two."""
+    check_tensor(old)
     index = torch.nonzero_static(changed, size=count).squeeze(1)
     classes = exponent_bytes(old) if exponents and old.dtype in EXPONENT_SHIFT else None
-    return Change(index, a.index_select(0, index), b.index_select(0, index), new.numel(), new.dtype, classes)
+    return Change(index, old.view(torch.int16).index_select(0, index), new_at(index), old.numel(), old.dtype, classes)
 
 
 def pack_full(new: Tensor) -> Packed:

@@ -4,7 +4,8 @@ payload's group against the cache on its device, and bring the cache up to date.
 Only what must see the live weights is done here (the diff, and for a base a device-side copy);
 the upload workers (`uploader`) pack, copy to the host and compress.  On an accelerator the
 calling thread waits for the device once per publish: every group's count of changes is taken
-first, in one transfer, and each group's positions then without a sync.
+first, in one transfer, and each group's positions then without a sync.  The weights are read
+whole once, for the masks; after the sync only where they changed.
 """
 
 from __future__ import annotations
@@ -88,26 +89,52 @@ def snapshot(
     # A concatenation of small slices is kept until its diff; a lone slice's values are read again
     # only where they changed (`diff_at`), since keeping every group's cast would cost a second
     # copy of the shard.
-    masks = [
-        None if group.bits.is_cpu else group.bits.view(torch.int16) != values(group)[0].view(torch.int16)
-        for group in cache
-    ]
+    # One read of the weights: each group's values are read (cast, concatenated) once, for its mask.
+    # Small slices' concatenation is kept until its diff; a lone slice's cast is not (keeping every
+    # group's would cost another copy of the shard), and its live values are read again only at the
+    # changed positions (`diff_at`), or whole where the change may be stored RAW.
+    masks: list[Tensor | None] = []
+    kept: list[Tensor | None] = []
+    for group in cache:
+        if group.bits.is_cpu:  # `codec.diff` reads the group once, with no count first
+            masks.append(None)
+            kept.append(None)
+            continue
+        new, shared = values(group)
+        masks.append(group.bits.view(torch.int16) != new.view(torch.int16))
+        kept.append(None if shared else new)
     sums = [mask.sum() for mask in masks if mask is not None]
     counts = iter(torch.stack([c.to(sums[0].device) for c in sums]).tolist() if sums else [])  # the one sync
     changed_total = 0
-    for group, mask in zip(cache, masks, strict=True):
-        new, shared = values(group)  # a view, or a cast again: cheaper than holding every group's
-        exponents = options.conditions(new.device)
+    for group, mask, held in zip(cache, masks, kept, strict=True):
+        exponents = options.conditions(group.bits.device)
         if mask is None:
+            new, shared = values(group)
             change = codec.diff(group.bits, new, exponents=exponents)
         else:
-            change = codec.diff_counted(group.bits, new, mask, next(counts), exponents=exponents)
-        whole = (new.clone() if shared else new) if codec.may_pack_raw(change) else None
+            new_at = _reader(group, tensors, dtype) if held is None else _gather(held)
+            change = codec.diff_at(group.bits, mask, next(counts), new_at, exponents=exponents)
+        whole = None
+        if codec.may_pack_raw(change):  # a small group, or over a quarter changed: RAW needs it whole
+            if mask is not None:
+                new, shared = values(group) if held is None else (held, False)
+            whole = new.clone() if shared else new
         group.bits.view(torch.int16).index_copy_(0, change.index, change.new)
         copy = group.bits.clone() if is_base else None  # the cache changes at the next step
         pieces.append(Piece(snapshot=copy, change=change, whole=whole))
-        changed_total += new.numel() if is_base else change.index.numel()
+        changed_total += change.numel if is_base else change.index.numel()
     return pieces, changed_total
+
+
+def _reader(group: Group, tensors: Mapping[str, Tensor], dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """A lone slice's new int16 bits at given positions, read from the live weights there only."""
+    (spec,) = group.specs
+    live = read_slice(tensors[spec.name], spec)  # a view: nothing is read until the positions are
+    return lambda index: live.index_select(0, index).to(dtype).view(torch.int16)
+
+
+def _gather(new: Tensor) -> Callable[[Tensor], Tensor]:
+    return lambda index: new.view(torch.int16).index_select(0, index)
 
 
 def as_source(tensors: TensorSource) -> Callable[[], Mapping[str, Tensor]]:
