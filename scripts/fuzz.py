@@ -67,6 +67,7 @@ from lightning_delta import (
     codec,
     records,
     sparse_walk,
+    wire,
 )
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum, checksum_at
@@ -203,16 +204,14 @@ def mutate_payload(rng: random.Random, payload: bytes, other: bytes) -> bytes:
         if total > 1 << 24:
             frame = bytes([0xE0]) + total.to_bytes(8, "little") + frame[9:]
         cut = rng.randrange(min(len(data), 20) + 1)
-        data = data[:cut] + bytearray([1]) + bytearray(codec._varint(len(frame))) + bytearray(frame)
+        data = data[:cut] + bytearray([1]) + bytearray(wire._varint(len(frame))) + bytearray(frame)
     elif kind == 6 and data:  # random bytes over a random range
         start = rng.randrange(len(data))
         end = min(len(data), start + rng.randint(1, 16))
         data[start:end] = rng.randbytes(end - start)
     else:  # a random element count / change count varint spliced in after the header
         head = bytes(data[:8]) if len(data) >= 8 else bytes(8)
-        counts = b"".join(
-            codec._varint(rng.choice([0, 1, 2**31, 2**40, 2**62, rng.randrange(10**6)])) for _ in range(3)
-        )
+        counts = b"".join(wire._varint(rng.choice([0, 1, 2**31, 2**40, 2**62, rng.randrange(10**6)])) for _ in range(3))
         data = bytearray(head + counts) + data[min(len(data), 11) :]
     return bytes(data)
 

@@ -26,6 +26,7 @@ from lightning_delta import (
     apply,
     codec,
     device_walk,
+    elias_fano,
     group,
     plan,
     sparse_walk,
@@ -118,8 +119,8 @@ def test_the_proof_runs_every_variant_of_the_kernels_a_real_step_can_launch():
     bytes): the proof's steps run each, so a variant that alone is wrong fails the proof
     (`wrong at 3` above)."""
     sizes = [(run + device_walk._PROOF_ROWS * device_walk._PROOF_COLUMNS, m) for run, m in device_walk.PROOF_CASES]
-    assert [device_walk.low_bytes(codec._low_bits(n, m)) for n, m in sizes] == list(device_walk.LOW_BYTES)
-    widest = codec._low_bits(MAX_ELEMENTS, 1)
+    assert [device_walk.low_bytes(elias_fano.low_bits(n, m)) for n, m in sizes] == list(device_walk.LOW_BYTES)
+    widest = elias_fano.low_bits(MAX_ELEMENTS, 1)
     assert {device_walk.low_bytes(bits) for bits in range(widest + 1)} == set(device_walk.LOW_BYTES)
     assert all(8 * device_walk.low_bytes(bits) >= bits + 7 for bits in range(widest + 1))  # at any shift
 

@@ -278,7 +278,7 @@ def test_blocking_backlog_publishes_every_step(store_url, monkeypatch):
     model = TinyLM()
     settings = PublisherSettings(backlog=Backlog.BLOCK, max_pending=1)
     pub = DeltaPublisher(Store(HookedObjects(store_url, stall)), model, settings)
-    jobs, put = pub._jobs, pub._jobs.put
+    jobs, put = pub._uploads.jobs, pub._uploads.jobs.put
 
     def watched(item, *args, **kwargs):
         if jobs.full():  # the trainer is about to wait for the queue

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Verdict, bitwise_equal, verdict
-from lightning_delta import codec
+from lightning_delta import bitpack, codec, compressors, wire
 from lightning_delta.codec import CodecOptions, Compressor, Context, Mode, ValueCoding
 from lightning_delta.errors import FormatError
 from lightning_delta.format import DType
@@ -162,9 +162,10 @@ def test_decode_into_out_refuses_old_itself_and_another_dtype():
 
 
 def test_an_lz4_section_larger_than_its_block_format_holds_is_refused_before_decompressing():
-    size = codec._LZ4_MAX + 1
-    with pytest.raises(FormatError, match=f"^an lz4 block holds at most {codec._LZ4_MAX} bytes, this section {size}$"):
-        codec._lz4_decompress(memoryview(b"\0"), size)
+    size = compressors._LZ4_MAX + 1
+    expected = f"^an lz4 block holds at most {compressors._LZ4_MAX} bytes, this section {size}$"
+    with pytest.raises(FormatError, match=expected):
+        compressors._lz4_decompress(memoryview(b"\0"), size)
 
 
 def test_a_zstd_frame_that_declares_another_size_is_refused_and_each_thread_decompresses_with_its_own():
@@ -176,9 +177,9 @@ def test_a_zstd_frame_that_declares_another_size_is_refused_and_each_thread_deco
     )
     frame = memoryview(zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * 100))
     with pytest.raises(FormatError, match=r"^zstd frame declares 100 bytes, expected 50$"):
-        codec._zstd_decompress(frame, 50)
+        compressors._zstd_decompress(frame, 50)
     got: list[bytes] = []
-    thread = threading.Thread(target=lambda: got.append(codec._zstd_decompress(frame, 100)))
+    thread = threading.Thread(target=lambda: got.append(compressors._zstd_decompress(frame, 100)))
     thread.start()
     thread.join()
     assert got == [b"\0" * 100]
@@ -453,9 +454,9 @@ def test_hostile_headers_are_refused_before_allocation(patch, message):
 def test_decompression_bomb_is_bounded():
     """A section that inflates past its implied size is refused, not materialised."""
     old, _ = _sample()
-    bomb = codec._zstd_compress(memoryview(b"\0" * (64 << 20)), 3)
-    header = b"LDC\x01" + bytes([0, 0, 0, 1]) + codec._varint(5000) * 2 + b"\x00"
-    payload = header + b"\x01" + codec._varint(len(bomb)) + bomb + b"\x00" + codec._varint(5000) + b"\0" * 5000
+    bomb = compressors._zstd_compress(memoryview(b"\0" * (64 << 20)), 3)
+    header = b"LDC\x01" + bytes([0, 0, 0, 1]) + wire._varint(5000) * 2 + b"\x00"
+    payload = header + b"\x01" + wire._varint(len(bomb)) + bomb + b"\x00" + wire._varint(5000) + b"\0" * 5000
     with pytest.raises(FormatError, match="decompress"):
         codec.decode(old, payload)
 
@@ -533,7 +534,7 @@ def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torc
     """The golden CLASSED payload's 16 changes of exponent 0x7E with another class table."""
     old = as_tensor([0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)], torch.bfloat16)
     header = bytes.fromhex("4c4443010201000180021000")
-    table = codec._varint(len(entries) // 3 if count is None else count) + entries
+    table = wire._varint(len(entries) // 3 if count is None else count) + entries
     return old, header + table + bytes.fromhex("00000004555555550002ffff0002ffff0000")
 
 
@@ -643,9 +644,9 @@ def test_a_size_its_payload_cannot_hold_is_refused_before_allocating():
     """A RAW header that declares 2**40 elements, with a few stored bytes behind it: a zstd section
     expands at most 2**15 times, so it is refused before anything of that size is allocated."""
     numel = 2**40
-    header = codec._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.EXPONENT, 0, DType.bfloat16.code)
-    section = bytes([codec.Compressor.ZSTD]) + codec._varint(8) + bytes(8)
-    payload = header + codec._varint(numel) * 2 + codec._varint(0) + section * 2
+    header = wire._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.EXPONENT, 0, DType.bfloat16.code)
+    section = bytes([codec.Compressor.ZSTD]) + wire._varint(8) + bytes(8)
+    payload = header + wire._varint(numel) * 2 + wire._varint(0) + section * 2
     with pytest.raises(FormatError, match="cannot hold"):
         codec.decode(None, payload, numel=numel, dtype=torch.bfloat16)
 
@@ -662,9 +663,9 @@ def test_bits_pack_and_unpack_least_significant_first(data, count, skip):
     """The CPU's numpy (un)packing, of a slice as the decoder passes, against the definition: bit k
     of byte j is element 8j + k; no more elements than the bytes hold; `_count` counts them."""
     raw = torch.tensor(list(bytes(skip) + data), dtype=torch.uint8)[skip:]
-    bits = codec._unpack_bits(raw, count)
+    bits = bitpack.unpack_bits(raw, count)
     expected = [bool(byte >> k & 1) for byte in data for k in range(8)][:count]
     assert bits.dtype == torch.bool and bits.tolist() == expected
-    assert codec._count(bits) == sum(expected)
+    assert bitpack.popcount(bits) == sum(expected)
     rebuilt = [sum(bit << k for k, bit in enumerate(expected[j : j + 8])) for j in range(0, len(expected), 8)]
-    assert codec._pack_bits(bits).tolist() == rebuilt
+    assert bitpack.pack_bits(bits).tolist() == rebuilt

@@ -24,13 +24,13 @@ from lightning_delta import (
     StoreError,
     codec,
     device_walk,
+    snapshot,
     sparse_walk,
     torch_path,
     torch_walk,
     whole_walk,
 )
 from lightning_delta import format as fmt
-from lightning_delta import publisher as publisher_module
 from lightning_delta.apply import ApplyBackend
 from lightning_delta.codec import CodecOptions, Context, Mode
 from lightning_delta.engine import EngineFollower, PrefetchTimeoutError
@@ -225,7 +225,7 @@ def test_a_step_that_fails_as_it_is_walked_leaves_nothing_written(store_url, wal
     """`update` does not check a step in sync before it walks it into the engine: the walk checks
     each change as it writes it, and a failure on any payload takes every walk of the step back."""
     apply = backend(walk, monkeypatch)
-    monkeypatch.setattr(publisher_module, "_SMALL", 0)  # every tensor a payload of its own
+    monkeypatch.setattr(snapshot, "SMALL", 0)  # every tensor a payload of its own
     publish(store_url)
     store = Store(store_url)
     part = store.read_part(3, 0, 1)
@@ -278,7 +278,7 @@ def test_a_payload_shipped_whole_from_the_step_held_is_checked_before_a_write_an
     beside the payloads of its rank walked before and after it (every tensor a payload of its own,
     in name order: the rope's, a kept copy the engine reloads, is the fifth of six). A forged value
     in it writes nothing."""
-    monkeypatch.setattr(publisher_module, "_SMALL", 0)
+    monkeypatch.setattr(snapshot, "SMALL", 0)
     state, truth = checkpoint(), {}
     with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
         for step in (1, 2, 3):

@@ -40,6 +40,7 @@ from lightning_delta import (
     PublisherSettings,
     Store,
     codec,
+    wire,
 )
 from lightning_delta import format as fmt
 from lightning_delta.objects import FsspecObjects
@@ -156,10 +157,10 @@ def test_parts_whose_links_do_not_meet_are_a_chain_error_not_a_skipped_step(stor
 
 
 def _raw_payload(n: int, sections: list[tuple[codec.Compressor, bytes]]) -> bytes:
-    head = codec._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.NONE, 0, 1)
-    out = [head, codec._varint(n), codec._varint(n), codec._varint(0)]
+    head = wire._HEADER.pack(codec.MAGIC, codec.Mode.RAW, codec.ValueCoding.NONE, 0, 1)
+    out = [head, wire._varint(n), wire._varint(n), wire._varint(0)]
     for compressor, data in sections:
-        out += [bytes([compressor]), codec._varint(len(data)), data]
+        out += [bytes([compressor]), wire._varint(len(data)), data]
     return b"".join(out)
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_delta import codec, sparse_walk
+from lightning_delta import codec, elias_fano, sparse_walk, wire
 from lightning_delta.checksum import checksum_update
 from lightning_delta.codec import CodecOptions, Compressor, Mode
 from lightning_delta.errors import FormatError
@@ -110,8 +110,8 @@ def hostile(draw):
     if draw(st.booleans()):
         m = draw(st.integers(1, n))
         k = draw(st.integers(0, m))
-        low_bits = codec._low_bits(n, m)
-        sizes = codec._section_sizes(Mode.SPARSE, n, m, k, low_bits, ())
+        low_bits = elias_fano.low_bits(n, m)
+        sizes = wire._section_sizes(Mode.SPARSE, n, m, k, low_bits, ())
         sections = tuple(torch.tensor(list(draw(st.binary(min_size=s, max_size=s))), dtype=torch.uint8) for s in sizes)
         return codec.Packed(Mode.SPARSE, codec.ValueCoding.SPLIT, low_bits, torch.bfloat16, n, m, k, sections)
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import codec
+from . import codec, elias_fano
 from .checksum import checksum_at
 from .errors import FormatError
 from .sparse_walk import MESSAGES, SEGMENT_FIELDS, Segments, Status
@@ -126,7 +126,7 @@ class DeviceWalk:
         self._blocks = -(-high_bytes // self._block)
         self._low_bytes = low_bytes(low_bits)
         flag_size = len(self._sections[2])
-        self._fields = (n, m, k, low_bits, codec._high_len(n, m, low_bits), len(self._sections[0]), flag_size)
+        self._fields = (n, m, k, low_bits, elias_fano.high_len(n, m, low_bits), len(self._sections[0]), flag_size)
         self._counts = torch.empty(1 + self._blocks + flag_size, dtype=torch.int64, device=device)
         self._ranks = self._counts
         self._touched = torch.zeros(len(table.names), dtype=torch.int32, device=device)

@@ -19,7 +19,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from . import codec
+from . import codec, elias_fano
 from .errors import FormatError
 
 __all__ = ["AVAILABLE", "MESSAGES", "SEGMENT_FIELDS", "Segments", "Status", "Walk", "compile"]
@@ -103,7 +103,8 @@ class Walk:
             raise ValueError(f"only SPARSE payloads are walked, not {packed.mode.name}")
         segments.check_fits([len(p) for p in params], packed.n)
         self._sections = tuple(np.ascontiguousarray(s.numpy()) for s in packed.sections)
-        self._fields = (packed.n, packed.m, packed.k, packed.low_bits)
+        n, m, low_bits = packed.n, packed.m, packed.low_bits
+        self._fields = (n, m, packed.k, low_bits, elias_fano.high_len(n, m, low_bits))
         self._segments, self._params = segments, params
         self._wrote: set[int] = set()
         self.applied = 0
@@ -154,7 +155,7 @@ def compile() -> None:
     """Compile the walk now (seconds; numba caches it on disk for the next process), not in the
     first step it walks."""
     sections, state = [np.empty(0, dtype=np.uint8)] * 5, np.zeros(_STATE, dtype=np.int64)
-    _kernel()(*sections, 0, 0, 0, 0, state, np.empty(0, dtype=np.int16), *[0] * 11, 1, -1)
+    _kernel()(*sections, 0, 0, 0, 0, 0, state, np.empty(0, dtype=np.int16), *[0] * 11, 1, -1)
 
 
 _CTZ = np.array([0] + [(i & -i).bit_length() - 1 for i in range(1, 256)], dtype=np.int64)
@@ -188,6 +189,7 @@ def _walk(
     m: int,
     k: int,
     low_bits: int,
+    high_bits: int,
     state: np.ndarray,
     flat: np.ndarray,
     lo: int,
@@ -212,7 +214,7 @@ def _walk(
     checked against `n` and the one before it before anything is written."""
     moved, held = np.int64(0), 0
     at, byte, seen, big, last = state[_BYTE], state[_BITS], state[_SEEN], state[_BIG], state[_LAST]
-    mask, size, high_bits = (1 << low_bits) - 1, low.shape[0], m + ((n - 1) >> low_bits) + 1
+    mask, size = (1 << low_bits) - 1, low.shape[0]
     positions, steps = np.empty(_BLOCK, dtype=np.int64), np.empty(_BLOCK, dtype=np.int64)
     targets, values = np.empty(_BLOCK, dtype=np.int64), np.empty(_BLOCK, dtype=np.int64)
     status, stop, count = 0, False, high.shape[0]
