@@ -568,6 +568,24 @@ def test_a_change_larger_than_one_flagged_early_is_refused_in_the_piece_that_hol
         assert str(pieces) == "tensor payload flags more changes larger than one than its header's 0"
 
 
+def test_a_position_named_twice_is_refused_within_a_piece_and_across_two():
+    """n = 64, one low bit: nine changes at 0-7 and 40 (high bits 0, 1, 3, 4, 6, 7 | 9, 10 | 28).
+    Named twice in one piece (low bits 3, 3), or with the seventh change moved to bit 8 as 5 again:
+    the first of the second byte's piece (chunks of one change are one byte) repeats the last."""
+    old, payload = _two_changes(64, [0, 1, 2, 3, 4, 5, 6, 7, 40])
+    (low, _), (high, _), *_ = _sections(payload)
+    assert payload[low : low + 2] == b"\xaa\x00" and payload[high : high + 2] == b"\xdb\x06"
+    across = _patched(_patched(payload, low, b"\xea"), high + 1, b"\x05")
+    old_two, two = _two_changes(64, [3, 8])
+    (low_two, _), *_ = _sections(two)
+    within = _patched(two, low_two, bytes([3 | 3 << 4]))
+    for against, damaged in ((old, across), (old_two, within)):
+        for chunk in (None, 1):
+            pieces = _pieces(damaged, against, chunk)
+            assert isinstance(pieces, FormatError)
+            assert str(pieces) == "changed positions are out of range or not strictly increasing"
+
+
 @pytest.mark.parametrize("step, refused", [(32767, False), (32768, True), (-32768, False), (-32769, True)])
 def test_a_step_of_more_than_16_bits_is_refused(step, refused):
     old, new = _sample()  # every change +3: stored as a magnitude of 3 - 2
