@@ -301,6 +301,32 @@ def test_golden_bytes_pin_the_format():
     )
 
 
+def test_sparse_payloads_with_no_change_or_one_in_a_last_bucket_of_its_own_are_these_bytes():
+    """Golden bytes at the edges of Elias-Fano's lengths: no change has no low and no high bits; a
+    change at n - 1 = 48 alone in the last bucket (l = 3, bucket 6) still ends that bucket with its
+    zero bit, which makes the high bits 2 + 6 + 1 = 9 bits, two bytes."""
+    none = torch.zeros(4, dtype=torch.bfloat16)
+    assert codec.encode(none, none, CodecOptions(Compressor.NONE)).hex() == (
+        "4c44430101010001"  # magic, SPARSE, SPLIT, l=0, bfloat16
+        "040000"  # n=4, m=0, k=0
+        "00000000000000000000"  # five empty sections
+    )
+    old = torch.zeros(49, dtype=torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    new[[0, 48]] = 1
+    payload = codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE))
+    assert payload.hex() == (
+        "4c44430101010301"  # magic, SPARSE, SPLIT, l=3, bfloat16
+        "310200"  # n=49, m=2, k=0
+        "000100"  # low bits: 0 and 0
+        "00028100"  # high bits: bucket 0 at bit 0, bucket 6 at bit 6 + 1; bit 8 ends bucket 6
+        "000103"  # both +-1
+        "000103"  # both +1
+        "0000"  # no magnitudes
+    )
+    assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
+
+
 def test_api_refuses_wrong_inputs():
     a = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1-D"):
