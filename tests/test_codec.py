@@ -327,6 +327,16 @@ def test_sparse_payloads_with_no_change_or_one_in_a_last_bucket_of_its_own_are_t
     assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
 
 
+def test_mode_of_reads_the_eight_header_bytes_and_never_raises():
+    """The engine routes a step's payloads by `mode_of` before `parse` checks them: a damaged or
+    foreign one must give None (never an exception), and the eight header bytes alone suffice."""
+    old = torch.zeros(4, dtype=torch.bfloat16)
+    payload = codec.encode(old, old, CodecOptions(Compressor.NONE))
+    assert codec.mode_of(payload) == codec.mode_of(payload[:8]) == Mode.SPARSE
+    for damaged in (payload[:7], b"XDC\x01" + payload[4:], _patched(payload, 4, b"\x07")):
+        assert codec.mode_of(damaged) is None
+
+
 def test_api_refuses_wrong_inputs():
     a = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1-D"):
