@@ -337,6 +337,14 @@ def test_mode_of_reads_the_eight_header_bytes_and_never_raises():
         assert codec.mode_of(damaged) is None
 
 
+@pytest.mark.parametrize("dtype, shift, mask", [(torch.bfloat16, 7, 0xFF), (torch.float16, 10, 0x1F)])
+def test_exponent_bytes_are_each_elements_biased_exponent_whatever_its_sign(dtype, shift, mask):
+    """The class a CLASSED delta codes an element in, for all 65,536 bit patterns."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32)
+    expected = ((bits & 0xFFFF) >> shift) & mask
+    assert torch.equal(codec.exponent_bytes(bits.to(torch.int16).view(dtype)), expected.to(torch.uint8))
+
+
 def test_api_refuses_wrong_inputs():
     a = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1-D"):
