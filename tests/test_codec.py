@@ -345,6 +345,11 @@ def test_exponent_bytes_are_each_elements_biased_exponent_whatever_its_sign(dtyp
     assert torch.equal(codec.exponent_bytes(bits.to(torch.int16).view(dtype)), expected.to(torch.uint8))
 
 
+def test_byte_view_is_the_bytes_it_is_given_none_included():
+    assert codec.byte_view(b"").numel() == 0  # a stored section of no bytes
+    assert codec.byte_view(memoryview(b"\x00\xff")).tolist() == [0, 255]
+
+
 def test_api_refuses_wrong_inputs():
     a = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1-D"):
