@@ -302,6 +302,55 @@ def test_golden_bytes_pin_the_format():
     )
 
 
+def test_sparse_payloads_with_no_change_or_one_in_a_last_bucket_of_its_own_are_these_bytes():
+    """Golden bytes at the edges of Elias-Fano's lengths: no change has no low and no high bits; a
+    change at n - 1 = 48 alone in the last bucket (l = 3, bucket 6) still ends that bucket with its
+    zero bit, which makes the high bits 2 + 6 + 1 = 9 bits, two bytes."""
+    none = torch.zeros(4, dtype=torch.bfloat16)
+    assert codec.encode(none, none, CodecOptions(Compressor.NONE)).hex() == (
+        "4c44430101010001"  # magic, SPARSE, SPLIT, l=0, bfloat16
+        "040000"  # n=4, m=0, k=0
+        "00000000000000000000"  # five empty sections
+    )
+    old = torch.zeros(49, dtype=torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    new[[0, 48]] = 1
+    payload = codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE))
+    assert payload.hex() == (
+        "4c44430101010301"  # magic, SPARSE, SPLIT, l=3, bfloat16
+        "310200"  # n=49, m=2, k=0
+        "000100"  # low bits: 0 and 0
+        "00028100"  # high bits: bucket 0 at bit 0, bucket 6 at bit 6 + 1; bit 8 ends bucket 6
+        "000103"  # both +-1
+        "000103"  # both +1
+        "0000"  # no magnitudes
+    )
+    assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
+
+
+def test_mode_of_reads_the_eight_header_bytes_and_never_raises():
+    """The engine routes a step's payloads by `mode_of` before `parse` checks them: a damaged or
+    foreign one must give None (never an exception), and the eight header bytes alone suffice."""
+    old = torch.zeros(4, dtype=torch.bfloat16)
+    payload = codec.encode(old, old, CodecOptions(Compressor.NONE))
+    assert codec.mode_of(payload) == codec.mode_of(payload[:8]) == Mode.SPARSE
+    for damaged in (payload[:7], b"XDC\x01" + payload[4:], _patched(payload, 4, b"\x07")):
+        assert codec.mode_of(damaged) is None
+
+
+@pytest.mark.parametrize("dtype, shift, mask", [(torch.bfloat16, 7, 0xFF), (torch.float16, 10, 0x1F)])
+def test_exponent_bytes_are_each_elements_biased_exponent_whatever_its_sign(dtype, shift, mask):
+    """The class a CLASSED delta codes an element in, for all 65,536 bit patterns."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32)
+    expected = ((bits & 0xFFFF) >> shift) & mask
+    assert torch.equal(codec.exponent_bytes(bits.to(torch.int16).view(dtype)), expected.to(torch.uint8))
+
+
+def test_byte_view_is_the_bytes_it_is_given_none_included():
+    assert codec.byte_view(b"").numel() == 0  # a stored section of no bytes
+    assert codec.byte_view(memoryview(b"\x00\xff")).tolist() == [0, 255]
+
+
 def test_api_refuses_wrong_inputs():
     a = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1-D"):
@@ -502,6 +551,163 @@ def test_varints_must_be_minimal():
         codec.decode(old, payload[:11] + b"\xd0\x00" + payload[12:])  # k = 80 spelt in two bytes
 
 
+def _sections(payload: bytes) -> list[tuple[int, int]]:
+    """Where each section of a SPARSE or RAW payload stored uncompressed starts, and its length."""
+
+    def varint(pos: int) -> tuple[int, int]:
+        value, shift = 0, 0
+        while payload[pos] & 0x80:
+            value, shift, pos = value | (payload[pos] & 0x7F) << shift, shift + 7, pos + 1
+        return value | payload[pos] << shift, pos + 1
+
+    pos, found = varint(varint(varint(8)[1])[1])[1], []
+    while pos < len(payload):
+        assert payload[pos] == Compressor.NONE
+        size, pos = varint(pos + 1)
+        found.append((pos, size))
+        pos += size
+    return found
+
+
+def _two_changes(n: int, at: list[int]) -> tuple[torch.Tensor, bytes]:
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    new[at] = 1
+    return old, codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE))
+
+
+def test_damaged_sparse_payloads_are_refused_with_what_is_wrong():
+    old, payload = _two_changes(64, [3, 8])
+    (low, _), (high, _), (unit, _), _, (magnitude, _) = _sections(payload)
+    cases = {
+        "^tensor payload truncated: section of 5 bytes runs past the end$": _patched(payload, magnitude - 1, b"\x05"),
+        "^tensor payload has 2 trailing bytes$": payload + b"\0\0",
+        "^Elias-Fano high bits hold more than the 2 entries the header says$": _patched(payload, high, b"\x07"),
+        # the second change flagged larger than one, where the header counts none
+        "^tensor payload flags more changes larger than one than its header's 0$": _patched(payload, unit, b"\x01"),
+        # the header counts one change larger than one (its magnitude stored), the flags none
+        "^tensor payload flags more changes larger than one than its header's 1$": _patched(payload, 10, b"\x01")[
+            : magnitude - 1
+        ]
+        + b"\x02\0\0",
+    }
+    assert payload[low] == 3 | 8 << 4 and payload[high] == 0b011 and payload[10] == 0  # k
+    for message, damaged in cases.items():
+        with pytest.raises(FormatError, match=message):
+            codec.decode(old, damaged)
+    # n = 50, two changes: 3 low bits, so a position's bucket and low bits can name 50 to 55
+    old, payload = _two_changes(50, [3, 49])
+    (low, _), *_ = _sections(payload)
+    assert payload[low] == 3 | 1 << 3
+    for beyond in (50, 55):
+        with pytest.raises(FormatError, match=r"^changed positions are out of range or not strictly increasing$"):
+            codec.decode(old, _patched(payload, low, bytes([3 | (beyond & 7) << 3])))
+
+
+def test_a_change_larger_than_one_flagged_early_is_refused_in_the_piece_that_holds_it():
+    """Decoded in chunks, the first piece already holds more large changes than the header's."""
+    old, new = _adam_like(5000)
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    assert codec.parse(payload, 5000).k == 0
+    _, _, (unit, _), _, _ = _sections(payload)
+    assert payload[unit] & 1
+    damaged = _patched(payload, unit, bytes([payload[unit] & 0xFE]))
+    for chunk in (None, 1, 8):
+        pieces = _pieces(damaged, old, chunk)
+        assert isinstance(pieces, FormatError)
+        assert str(pieces) == "tensor payload flags more changes larger than one than its header's 0"
+
+
+def test_a_position_named_twice_is_refused_within_a_piece_and_across_two():
+    """n = 64, one low bit: nine changes at 0-7 and 40 (high bits 0, 1, 3, 4, 6, 7 | 9, 10 | 28).
+    Named twice in one piece (low bits 3, 3), or with the seventh change moved to bit 8 as 5 again:
+    the first of the second byte's piece (chunks of one change are one byte) repeats the last."""
+    old, payload = _two_changes(64, [0, 1, 2, 3, 4, 5, 6, 7, 40])
+    (low, _), (high, _), *_ = _sections(payload)
+    assert payload[low : low + 2] == b"\xaa\x00" and payload[high : high + 2] == b"\xdb\x06"
+    across = _patched(_patched(payload, low, b"\xea"), high + 1, b"\x05")
+    old_two, two = _two_changes(64, [3, 8])
+    (low_two, _), *_ = _sections(two)
+    within = _patched(two, low_two, bytes([3 | 3 << 4]))
+    for against, damaged in ((old, across), (old_two, within)):
+        for chunk in (None, 1):
+            pieces = _pieces(damaged, against, chunk)
+            assert isinstance(pieces, FormatError)
+            assert str(pieces) == "changed positions are out of range or not strictly increasing"
+
+
+@pytest.mark.parametrize("step, refused", [(32767, False), (32768, True), (-32768, False), (-32769, True)])
+def test_a_step_of_more_than_16_bits_is_refused(step, refused):
+    old, new = _sample()  # every change +3: stored as a magnitude of 3 - 2
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    _, _, _, (sign, _), (magnitude, size) = _sections(payload)
+    k = size // 2
+    assert payload[magnitude] == 1 and payload[sign] & 1
+    stored = abs(step) - 2
+    damaged = bytearray(payload)
+    damaged[magnitude], damaged[magnitude + k] = stored & 0xFF, stored >> 8
+    damaged[sign] = payload[sign] & 0xFE | (step > 0)
+    if refused:
+        with pytest.raises(FormatError, match=r"^a tensor payload holds a change larger than 16 bits$"):
+            codec.decode(old, bytes(damaged))
+        return
+    got = codec.decode(old, bytes(damaged)).view(torch.int16)
+    first = int((new.view(torch.int16) != old.view(torch.int16)).nonzero()[0])
+    assert int(got[first]) == (int(old.view(torch.int16)[first]) + step + 32768) % 65536 - 32768
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_a_sparse_payload_in_chunks_comes_in_pieces_of_about_the_chunk(chunk):
+    """What bounds a follower's memory: at most five times `chunk` changes a piece, and no more
+    pieces than twice `m / chunk`, over a run of unchanged elements (empty spans) too."""
+    g = torch.Generator().manual_seed(chunk)
+    old = torch.randn(1 << 16, generator=g).to(torch.bfloat16)
+    for at in (torch.randperm(1 << 16, generator=g)[:1024], torch.cat([torch.arange(500), torch.arange(65036, 65536)])):
+        new = old.clone().view(torch.int16)
+        new[at] += 1
+        payload = codec.encode(old, new.view(torch.bfloat16), CodecOptions(Compressor.NONE))
+        pieces = list(
+            codec.iter_steps(
+                payload, numel=old.numel(), dtype=old.dtype, device=old.device, exponents=None, chunk=chunk
+            )
+        )
+        m = at.numel()
+        assert m / (5 * chunk) <= len(pieces) <= 2 * m / chunk
+        assert all(p.index is not None and 0 < p.index.numel() <= 5 * chunk for p in pieces)
+        assert torch.equal(torch.cat([p.index for p in pieces if p.index is not None]), at.sort().values)
+
+
+def test_classed_exponents_must_be_one_uint8_byte_an_element():
+    old, payload = _classed_table_patch(bytes.fromhex("7e1010"))
+    with pytest.raises(ValueError, match=r"^exponents must be 256 uint8 values, got torch.int16 \(256,\)$"):
+        list(
+            codec.iter_steps(
+                payload,
+                numel=256,
+                dtype=torch.bfloat16,
+                device=old.device,
+                exponents=lambda: codec.exponent_bytes(old).to(torch.int16),
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "high, message",
+    [
+        ("57555555", "^Elias-Fano high bits hold 17 entries, header says 16$"),  # one bit more
+        ("55555595", "^changed positions are out of their class or not strictly increasing in it$"),  # rank 16
+        ("53555555", "^changed positions are out of their class or not strictly increasing in it$"),  # 0, 0
+        ("4d555555", "^changed positions are out of their class or not strictly increasing in it$"),  # 0, 1, 1
+    ],
+)
+def test_damaged_classed_high_bits_are_refused_with_what_is_wrong(high, message):
+    """The golden payload's high bits (rank j at bit 2j) with one bit added or moved."""
+    old, payload = _classed_table_patch(bytes.fromhex("7e1010"))
+    at = payload.index(bytes.fromhex("55555555"))
+    with pytest.raises(FormatError, match=message):
+        codec.decode(old, _patched(payload, at, bytes.fromhex(high)))
+
+
 def test_positions_must_strictly_increase():
     old = torch.zeros(64, dtype=torch.bfloat16)
     new = old.clone().view(torch.int16)
@@ -555,7 +761,11 @@ def _classed_table_patch(entries: bytes, count: int | None = None) -> tuple[torc
             None,
             "^CLASSED tensor payload: its classes hold 264 elements and 16 changes, the header 256 and 16$",
         ),
-        (bytes.fromhex("7f1010"), None, "another tensor"),  # the old tensor has no 16 of 0x7F
+        (
+            bytes.fromhex("7f1010"),  # the old tensor has no 16 of 0x7F
+            None,
+            "^CLASSED tensor payload was made against another tensor: its exponent classes differ$",
+        ),
         (bytes.fromhex("7e10"), 1, "CLASSED|truncated"),  # the entry runs into the sections
     ],
 )
@@ -563,6 +773,95 @@ def test_hostile_class_tables_are_refused(entries, count, message):
     old, payload = _classed_table_patch(entries, count)
     with pytest.raises(FormatError, match=message):
         codec.decode(old, payload)
+
+
+def _classed(n: str, m: int, k: int, table: str, sections: list[str]) -> bytes:
+    """A bfloat16 CLASSED payload written field by field (docs/FORMAT.md): `n` as its varint's
+    hex, `m`, `k` and the class count below 128, every section stored as it is."""
+    header = bytes.fromhex("4c44430102010001" + n) + bytes([m, k, len(bytes.fromhex(table)) // 3])
+    stored = b"".join(bytes([0, len(bytes.fromhex(s))]) + bytes.fromhex(s) for s in sections)
+    return header + bytes.fromhex(table) + stored
+
+
+GOLDEN_OLD = [0x3F00 if i % 16 == 0 else 0x3F80 for i in range(256)]
+"""The golden CLASSED payload's tensor: every 16th element 0.5 (exponent 0x7E), the rest 1.0."""
+
+
+@pytest.mark.parametrize(
+    "old, payload, steps",
+    [
+        # one change: the 6th 0.5 (rank 5 of 16: 3 low bits, 101; high bit 0 of 3), +1
+        (GOLDEN_OLD, _classed("8002", 1, 0, "7e1001", ["05", "01", "01", "01", ""]), {80: 1}),
+        # every element changed (m == n), each +1
+        (
+            [0x3F00] * 16,
+            _classed("10", 16, 0, "7e1010", ["", "55555555", "ffff", "ffff", ""]),
+            dict.fromkeys(range(16), 1),
+        ),
+        # every step large (k == m): each 0.5 +2, its magnitude 2 - 2 = 0 in two byte planes
+        (
+            GOLDEN_OLD,
+            _classed("8002", 16, 16, "7e1010", ["", "55555555", "0000", "ffff", "00" * 32]),
+            dict.fromkeys(range(0, 256, 16), 2),
+        ),
+    ],
+    ids=["one-change", "every-element", "every-step-large"],
+)
+def test_classed_payloads_at_the_bounds_of_their_header_decode(old, payload, steps):
+    """A CLASSED header's counts at their edges (one change, all changed, all large) are valid."""
+    old = as_tensor(old, torch.bfloat16)
+    new = old.clone().view(torch.int16)
+    for at, step in steps.items():
+        new[at] += step
+    packed = codec.parse(payload, old.numel())
+    assert packed.mode == Mode.CLASSED and (packed.m, packed.k) == (len(steps), sum(abs(s) > 1 for s in steps.values()))
+    assert bitwise_equal(codec.decode(old, payload), new.view(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_classed_payload_may_hold_every_exponent_class_the_top_one_included(dtype):
+    """64 elements of each exponent all changed (the top one: infinities and NaNs), among 65,536
+    unchanged ones of one exponent: positions coded per class win, with a class table of every
+    exponent up to the dtype's top."""
+    shift, top = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}[dtype]
+    one = 0x3F80 if dtype == torch.bfloat16 else 0x3C00
+    bits = [e << shift | 0x10 for e in range(top + 1) for _ in range(64)] + [one] * 65536
+    order = torch.randperm(len(bits), generator=torch.Generator().manual_seed(0))
+    old = as_tensor(bits, dtype)[order]
+    new = old.clone().view(torch.int16)
+    new[(order < 64 * (top + 1)).nonzero().squeeze(1)] += 1
+    payload = codec.encode(old, new.view(dtype), CodecOptions(Compressor.NONE, context=Context.EXPONENT))
+    packed = codec.parse(payload, old.numel())
+    assert packed.mode == Mode.CLASSED and [c[0] for c in packed.classes] == list(range(top + 1))
+    assert bitwise_equal(codec.decode(old, payload), new.view(dtype))
+    for chunk in (None, 8):
+        pieces = _pieces(payload, old, chunk)
+        assert isinstance(pieces, codec.Steps) and pieces.index is not None
+        assert torch.equal(pieces.index.sort().values, (order < 64 * (top + 1)).nonzero().squeeze(1))
+
+
+def test_a_sparse_header_with_more_large_steps_than_changes_is_refused():
+    old, new = _sample()
+    payload = codec.encode(old, new)
+    assert payload[10:12] == b"\x50\x50"  # m = k = 80
+    with pytest.raises(
+        FormatError, match=r"^SPARSE tensor payload with inconsistent header \(n=5000, m=80, k=81, l=4\)$"
+    ):
+        codec.decode(old, _patched(payload, 11, b"\x51"))
+
+
+def test_a_payload_cut_before_a_section_or_storing_one_of_another_size_is_refused_with_what_is_wrong():
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2))
+    payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
+    assert codec.mode_of(payload) == Mode.RAW and payload[11:13] == b"\x00\x40"  # stored, 64 bytes
+    with pytest.raises(FormatError, match=r"^tensor payload truncated before a section$"):
+        codec.decode(old, payload[:11])
+    with pytest.raises(FormatError, match=r"^tensor payload truncated before a section$"):
+        codec.decode(old, payload[: 13 + 64])  # the first section whole, the second missing
+    shorter = payload[:12] + b"\x3f" + payload[13 : 13 + 63] + payload[13 + 64 :]
+    with pytest.raises(FormatError, match=r"^NONE section holds 63 bytes, expected 64$"):
+        codec.decode(old, shorter)
 
 
 @pytest.mark.parametrize("numel, width", [(4096, 9), (1 << 16, 13)])
@@ -575,7 +874,7 @@ def test_a_few_changes_in_a_large_tensor_decode_with_low_bits_wider_than_a_byte(
     new.view(torch.int16)[at] += 1
     payload = codec.encode(old, new, CodecOptions(Compressor.NONE))
     packed = codec.parse(payload, numel)
-    assert packed.mode == Mode.SPARSE and packed.low_bits == width
+    assert packed.mode == Mode.SPARSE and packed.low_bits == width and packed.classes == ()
     assert bitwise_equal(codec.decode(old, payload), new)
     for chunk in (None, 1):
         pieces = _pieces(payload, old, chunk)
