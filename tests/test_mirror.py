@@ -329,6 +329,20 @@ def test_a_cadence_with_a_late_share_wakes_at_that_quantile_of_where_the_recent_
         MirrorSettings(late_share=1.0)
 
 
+def test_a_cadence_is_not_held_late_by_a_step_found_at_the_first_poll():
+    """A step found late (the mirror was held up: it was there at the first poll) only says it
+    came before: the next is still due on the rhythm, not a gap after the late find, which would
+    carry the lag over to every later step."""
+    cadence = Cadence()
+    for t in (0.0, 30.0, 60.0, 90.0):
+        cadence.arrived(t)
+    cadence.arrived(139.0, exact=False)  # came at 120.0, found 19 s late
+    assert cadence.wait(139.0, 1.0) == pytest.approx(10.0)  # due at 150.0, less one poll
+    assert cadence.wait(139.0, 1.0, late=0.25) == pytest.approx(10.0)
+    cadence.arrived(150.2)  # found after a miss: on the rhythm again
+    assert cadence.wait(150.2, 1.0) == pytest.approx(28.8)
+
+
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():
     source, mirror = DictObjects(), Recording()
     torch.manual_seed(0)

@@ -12,8 +12,10 @@ but a trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s 
 polled through the whole spread, every poll a request that finds nothing.  `late` wakes at a
 quantile of those places instead: about that share of steps is found at the first poll (late, by
 up to the spread), and the polls before the others shrink with it.  A place earlier than half a
-gap after the newest arrival comes from before a pause (a trainer's warm-up) and is passed over;
-with two gaps only, the shorter one is the rhythm.  A backlog found at once (gaps of zero) turns
+gap before where the newest exact arrival (a step found after a poll that missed it) puts the next
+step comes from before a pause (a trainer's warm-up) and is passed over; a step found at the first
+poll only says it came before, so it never anchors that cut (one late find would otherwise delay
+every step after it).  With two gaps only, the shorter one is the rhythm.  A backlog found at once (gaps of zero) turns
 the schedule off until the rhythm is steady again.
 """
 
@@ -34,10 +36,13 @@ class Cadence:
 
     def __init__(self, keep: int = 6) -> None:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
+        self._exact: deque[bool] = deque(maxlen=keep + 1)
 
-    def arrived(self, at: float) -> None:
-        """A new step was found at `at` (seconds, monotonic)."""
+    def arrived(self, at: float, exact: bool = True) -> None:
+        """A new step was found at `at` (seconds, monotonic); `exact`: just after a poll that did
+        not find it (it came at about `at`), not at the first poll (it came at `at` or before)."""
         self._arrivals.append(at)
+        self._exact.append(exact)
 
     def _gaps(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self._arrivals)]
@@ -47,8 +52,8 @@ class Cadence:
         one `poll` of margin.  Each recent arrival, a usual gap (the median) apart, puts the next
         step somewhere; it is due at the earliest of those places, or with `late` (0 to 1) at that
         quantile of them, so about that share of steps is found at the first poll.  A step found
-        late (it was there at the first poll) does not move the earliest place later, so one late
-        find is not carried over to every step."""
+        late (it was there at the first poll) neither moves the earliest place later nor anchors
+        the cut of places from before a pause, so one late find is not carried over to every step."""
         gaps = self._gaps()
         if len(gaps) < 2 or min(gaps) <= 0:
             return poll  # no rhythm yet, or a backlog found at once
@@ -57,8 +62,11 @@ class Cadence:
             return max(poll, newest + min(gaps) - poll - now)
         usual = statistics.median(gaps)
         n = len(self._arrivals)
-        # a place before the newest arrival's half-gap is an arrival off the rhythm (before a pause)
-        places = sorted(p for i, at in enumerate(self._arrivals) if (p := at + (n - i) * usual) >= newest + usual / 2)
+        places = [at + (n - i) * usual for i, at in enumerate(self._arrivals)]  # where each puts the next step
+        exact = [p for p, found_after_a_miss in zip(places, self._exact, strict=True) if found_after_a_miss]
+        if exact:  # half a gap before the newest exact arrival's place: from before a pause (a warm-up)
+            places = [p for p in places if p >= exact[-1] - usual / 2]
+        places.sort()
         due = places[int(late * (len(places) - 1))]
         return max(poll, due - poll - now)
 

@@ -294,7 +294,7 @@ class Mirror:
             if step not in self._done or fresh:  # a step that just came: the next is not there yet
                 break
         if copied:  # the pass's start: nearer the commit than its end, after the step's bytes
-            self._cadence.arrived(now)
+            self._cadence.arrived(now, exact=fresh)
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
             return
@@ -360,8 +360,8 @@ class Mirror:
         newest = sorted(complete | (self._done & set(listed)))
         if len(newest) >= 2:
             self._stride = newest[-1] - newest[-2]
-        if max(self._done, default=None) != before:
-            self._cadence.arrived(now)
+        if max(self._done, default=None) != before:  # a listing finds steps that came at any time
+            self._cadence.arrived(now, exact=False)
         self._known = set(newest)
         self._stopped = stopped
         self._update(stopped)
