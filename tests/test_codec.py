@@ -968,3 +968,25 @@ def test_bits_pack_and_unpack_least_significant_first(data, count, skip):
     assert bitpack.popcount(bits) == sum(expected)
     rebuilt = [sum(bit << k for k, bit in enumerate(expected[j : j + 8])) for j in range(0, len(expected), 8)]
     assert bitpack.pack_bits(bits).tolist() == rebuilt
+
+
+def test_a_diff_read_again_at_the_changed_positions_is_the_diff_and_refuses_values_of_another_shape():
+    """`diff_at` (the trainer's accelerator path: the new values read again only where they
+    changed) gives `diff`'s change, and refuses a reader that gives other than one int16 value per
+    changed position, which would pack a change that does not rebuild."""
+    torch.manual_seed(3)
+    old = torch.randn(1000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[torch.randperm(1000)[:37]] += 1
+    changed = old.view(torch.int16) != new.view(torch.int16)
+    count = int(changed.sum())
+    at = codec.diff_at(old, changed, count, lambda index: new.view(torch.int16)[index], exponents=True)
+    want = codec.diff(old, new, exponents=True)
+    for got, expected in zip(
+        (at.index, at.old, at.new, at.exponents), (want.index, want.old, want.new, want.exponents), strict=True
+    ):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="new_at gave"):
+        codec.diff_at(old, changed, count, lambda index: new[index])  # bf16, not its bits
+    with pytest.raises(ValueError, match="new_at gave"):
+        codec.diff_at(old, changed, count, lambda index: new.view(torch.int16)[index][1:])

@@ -107,7 +107,12 @@ def diff_at(
     check_tensor(old)
     index = torch.nonzero_static(changed, size=count).squeeze(1)
     classes = exponent_bytes(old) if exponents and old.dtype in EXPONENT_SHIFT else None
-    return Change(index, old.view(torch.int16).index_select(0, index), new_at(index), old.numel(), old.dtype, classes)
+    new = new_at(index)
+    if new.dtype != torch.int16 or new.shape != index.shape or new.device != old.device:  # metadata: no sync
+        raise ValueError(
+            f"new_at gave {new.dtype} {tuple(new.shape)} on {new.device}, not int16 ({count},) on {old.device}"
+        )
+    return Change(index, old.view(torch.int16).index_select(0, index), new, old.numel(), old.dtype, classes)
 
 
 def pack_full(new: Tensor) -> Packed:

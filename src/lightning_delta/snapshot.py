@@ -86,10 +86,6 @@ def snapshot(
             pieces.append(Piece(snapshot=group.bits.clone()))
         return pieces, sum(s.numel for group in cache for s in group.specs)
     # One read of the weights: each group's values are read (cast, concatenated) once, for its mask.
-    # A concatenation of small slices is kept until its diff; a lone slice's values are read again
-    # only where they changed (`diff_at`), since keeping every group's cast would cost a second
-    # copy of the shard.
-    # One read of the weights: each group's values are read (cast, concatenated) once, for its mask.
     # Small slices' concatenation is kept until its diff; a lone slice's cast is not (keeping every
     # group's would cost another copy of the shard), and its live values are read again only at the
     # changed positions (`diff_at`), or whole where the change may be stored RAW.
