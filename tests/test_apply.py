@@ -289,6 +289,87 @@ def test_a_payload_the_device_walk_refuses_names_itself_and_nothing_is_written()
     assert not held["w"].any() and not held["v"].any()
 
 
+@pytest.mark.parametrize("backend", list(ApplyBackend))
+def test_a_payload_that_fails_after_a_chunk_is_walked_in_leaves_nothing_written(backend):
+    """The bad payload's high bits lose one set bit: its first changes decode (and are written)
+    before the count falls short of the header's, after a good payload was walked in.  Every walk
+    is taken back, the bad one without decoding past what it wrote: `FormatError`, nothing written."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9, 40]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    packed = codec.parse(data, 64)
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    good = Payload((0, 0), data, 64, torch.bfloat16, packed.m, table, ("w",), 0, "rank 0 payload 0")
+    [moved] = apply.check(apply.CpuWalker(), [good], {"w": old}.__getitem__)
+    good = dataclasses.replace(good, moved=moved)
+    sections = list(packed.sections)
+    high = sections[1].clone()
+    last = int(high.nonzero()[-1])
+    high[last] = int(high[last]) & (int(high[last]) - 1)  # its lowest set bit cleared: the last change lost
+    sections[1] = high
+    hostile = codec.serialize(dataclasses.replace(packed, sections=tuple(sections)), UNCOMPRESSED)
+    bad = dataclasses.replace(good, key=(0, 1), data=hostile, names=("v",), where="rank 0 payload 1")
+    held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    written = []
+    undo = torch_walk.TorchWalk.undo
+
+    def watched(walk: torch_walk.TorchWalk) -> None:
+        written.append(held["v"].count_nonzero().item())
+        undo(walk)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_walk.TorchWalk, "undo", watched)
+        with pytest.raises(FormatError):
+            apply.apply(apply.walker(backend, CPU), [good, bad], held.__getitem__, None)
+    assert not held["w"].any() and not held["v"].any()
+    if backend == ApplyBackend.TORCH:
+        assert written[0] > 0  # the bad payload's first changes were written before it raised
+
+
+def test_every_walk_is_taken_back_past_an_undo_that_raised_and_the_follower_holds_no_step(
+    store_url, monkeypatch, caplog
+):
+    """An undo that raises (out of memory, say) leaves its own payload written in part: the walks
+    before it are taken back all the same, `UndoError` says so, and the follower holds no step, so
+    that its next write loads a base."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    first = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    [moved] = apply.check(apply.TorchWalker(CPU), [first], {"w": old}.__getitem__)
+    first = dataclasses.replace(first, moved=moved)
+    second = dataclasses.replace(first, key=(0, 1), names=("v",), moved=moved + 1, where="rank 0 payload 1")
+    held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    undo = torch_walk.TorchWalk.undo
+
+    def fails_on_v(walk: torch_walk.TorchWalk) -> None:
+        if walk._targets[0] is held["v"]:
+            raise torch.OutOfMemoryError("no memory for the undo")
+        undo(walk)
+
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", fails_on_v)
+    with pytest.raises(apply.UndoError, match=r"ChecksumError: rank 0 payload 1 .* could not be taken back \(Out"):
+        apply.apply(apply.TorchWalker(CPU), [first, second], held.__getitem__, None)
+    assert not held["w"].any() and torch.equal(held["v"], new)
+
+    truth = publish(store_url)
+    forge_value(Store(store_url), 3)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.TORCH)
+    live.write(live.prepare(2))
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", lambda walk: (_ for _ in ()).throw(RuntimeError("no undo")))
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.engine"), pytest.raises(ChecksumError):
+        live.update(3)  # the re-sync from a base then meets the forged value
+    assert "could not be taken back (RuntimeError: no undo)" in caplog.text and "re-syncing step 3" in caplog.text
+    assert live.held_step is None
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", undo)
+    live.write(live.prepare(5))
+    assert exact(engine, truth[5])
+
+
 def test_without_a_group_a_worker_decides_alone():
     assert group.sum_partials(None, [1, MASK64 + 2]) == [1, 1]
     assert group.decide(None, 7) == [7]

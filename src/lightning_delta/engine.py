@@ -350,8 +350,14 @@ class EngineFollower:
         ]
         try:
             return bool(walks.apply(self._walker, payloads, functools.partial(self.plan.target, params), self.group))
-        except ChecksumError:
-            self._held = None  # the engine's weights, or the step, are not what they should be
+        except Exception as err:  # every worker raises here: the group heard of any failure in `apply`
+            try:  # a worker whose undo failed holds part of the step: every worker drops the step held
+                self.decisions.agree(err if isinstance(err, walks.UndoError) else None)
+            except Exception:
+                self._held, self._generation = None, self._generation + 1
+                raise
+            if isinstance(err, ChecksumError):
+                self._held = None  # the engine's weights, or the step, are not what they should be
             raise
 
     # ------------------------------------------------------------------ full check

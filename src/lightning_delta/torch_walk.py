@@ -13,6 +13,7 @@ and every position is bounded by its row, so none is written outside what the ta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -73,11 +74,10 @@ class TorchWalk:
             yield steps.index, steps.step
 
     def _run(self, sign: int, limit: int | None) -> int:
-        """Hash (`sign` 0 or 1) and add `sign` times each step, chunk by chunk (the first `limit`)."""
+        """Hash (`sign` 0 or 1) and add `sign` times each step, chunk by chunk (the first `limit`:
+        an undo never decodes past what `apply` wrote, where a malformed payload would raise)."""
         moved = 0
-        for done, (index, step) in enumerate(self._chunks()):
-            if limit is not None and done == limit:
-                break
+        for done, (index, step) in enumerate(itertools.islice(self._chunks(), limit)):
             for at, places, steps, param, owned in self._held(index, step):
                 target = self._targets[param]
                 places = places.to(target.device)
