@@ -370,6 +370,31 @@ def test_every_walk_is_taken_back_past_an_undo_that_raised_and_the_follower_hold
     assert exact(engine, truth[5])
 
 
+def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monkeypatch):
+    """A chunk spanning two rows (two parameters) whose second row's hash runs out of memory: the
+    first row is not written either, as `apply`'s undo counts whole chunks."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 40]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    rows = [[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w", "v"), 0, "rank 0 payload 0")
+    held = {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+    calls, update = [], torch_walk.checksum_update
+
+    def second_fails(*args: Any) -> int:
+        calls.append(args)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory on the second row")
+        return update(*args)
+
+    monkeypatch.setattr(torch_walk, "checksum_update", second_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        apply.apply(apply.TorchWalker(CPU), [payload], held.__getitem__, None)
+    assert len(calls) == 2 and not held["w"].any() and not held["v"].any()
+
+
 def test_without_a_group_a_worker_decides_alone():
     assert group.sum_partials(None, [1, MASK64 + 2]) == [1, 1]
     assert group.decide(None, 7) == [7]

@@ -78,6 +78,7 @@ class TorchWalk:
         an undo never decodes past what `apply` wrote, where a malformed payload would raise)."""
         moved = 0
         for done, (index, step) in enumerate(itertools.islice(self._chunks(), limit)):
+            writes = []
             for at, places, steps, param, owned in self._held(index, step):
                 target = self._targets[param]
                 places = places.to(target.device)
@@ -86,8 +87,11 @@ class TorchWalk:
                     old = target.index_select(0, places)
                     moved += checksum_update(0, at.to(target.device), old, old + steps)
                 if sign:
-                    target.index_add_(0, places, steps if sign > 0 else -steps)  # int16 wraps: mod 2**16
-                    self._wrote.add(param)
+                    writes.append((param, places, steps if sign > 0 else -steps))
+            # every row's places, steps and sum are made before the first write: a chunk is written whole or not at all
+            for param, places, steps in writes:
+                self._targets[param].index_add_(0, places, steps)  # int16 wraps: mod 2**16
+                self._wrote.add(param)
             if sign > 0:
                 self._applied = done + 1
         return moved & _MASK64
