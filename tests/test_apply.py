@@ -20,6 +20,7 @@ from forge import MESSAGE, forge_value
 from fused import Engine
 from lightning_delta import (
     ChecksumError,
+    DeltaError,
     DeviceError,
     FormatError,
     Store,
@@ -393,6 +394,30 @@ def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monk
     with pytest.raises(torch.OutOfMemoryError):
         apply.apply(apply.TorchWalker(CPU), [payload], held.__getitem__, None)
     assert len(calls) == 2 and not held["w"].any() and not held["v"].any()
+
+
+def test_a_walk_that_raises_outside_the_library_raises_a_delta_error_and_holds_no_step(store_url, monkeypatch):
+    """Without a group, out of memory inside the torch walk reaches `write`'s caller (the vLLM
+    backend catches `DeltaError`) as a `DeltaError` naming it; the step is taken back, the
+    follower holds none, and the next step loads from a base."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.TORCH)
+    live.write(live.prepare(2))
+    before = {k: v.clone() for k, v in engine.state().items()}
+    walk_apply = torch_walk.TorchWalk.apply
+
+    def oom(walk: torch_walk.TorchWalk) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch_walk.TorchWalk, "apply", oom)
+    with pytest.raises(DeltaError, match="OutOfMemoryError: CUDA out of memory"):
+        live.write(live.prepare(3))
+    assert live.held_step is None
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    monkeypatch.setattr(torch_walk.TorchWalk, "apply", walk_apply)
+    live.write(live.prepare(4))
+    assert exact(engine, truth[4])
 
 
 def test_without_a_group_a_worker_decides_alone():

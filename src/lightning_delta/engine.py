@@ -358,7 +358,12 @@ class EngineFollower:
                 raise
             if isinstance(err, ChecksumError):
                 self._held = None  # the engine's weights, or the step, are not what they should be
-            raise
+            if isinstance(err, DeltaError):
+                raise
+            # out of memory, say, on a worker without a group (a group's exchange names it a DeltaError):
+            # taken back, yet raised as `write` raises every failure, and the next write loads a base
+            self._held, self._generation = None, self._generation + 1
+            raise DeltaError(f"{type(err).__name__}: {err}") from err
 
     # ------------------------------------------------------------------ full check
 
