@@ -9,6 +9,7 @@ import gc
 import logging
 import weakref
 from typing import Any
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
 from lightning_delta.format import MAX_ELEMENTS
 from test_engine import exact, follower, publish
+from test_kernels import audited
 from test_sparse_walk import UNCOMPRESSED, walks
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -418,6 +420,25 @@ def test_a_walk_that_raises_outside_the_library_raises_a_delta_error_and_holds_n
     monkeypatch.setattr(torch_walk.TorchWalk, "apply", walk_apply)
     live.write(live.prepare(4))
     assert exact(engine, truth[4])
+
+
+def test_the_torch_walk_finds_each_rows_changes_with_one_wait_a_chunk():
+    """A chunk's positions ascend, so each row's changes are one slice: the rows' bounds are
+    searched at once, never one wait for the device a row."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[::3] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    rows = [[lo, lo + 4, lo // 4, 0, 0, 0, 0, 0, 0, 0, 0, 1] for lo in range(0, 64, 4)]  # 16 parameters
+    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
+    names = tuple(str(p) for p in range(16))
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 22, table, names, 0, "rank 0 payload 0")
+    held = {name: torch.zeros(4, dtype=torch.int16) for name in names}
+    walk = apply.TorchWalker(CPU).walk(payload, [held[n] for n in names])
+    with audited() as syncs:
+        walk.apply()
+    assert [w for w in syncs.seen if "torch_walk.py" in w[1]] == [("Tensor.tolist", ANY)]
+    assert torch.equal(torch.cat([held[n] for n in names]), new)
 
 
 def test_without_a_group_a_worker_decides_alone():

@@ -41,6 +41,7 @@ class TorchWalk:
         self._payload, self._targets, self._device, self._chunk = payload, list(targets), device, chunk
         self._rows = payload.segments.calls[:-1]  # the last: the walk's sentinel, held by no one
         self._applied = 0  # the chunks the last `apply` wrote
+        self._bounds: Tensor | None = None  # each row's first and last position, on the decoding device
         self._wrote: set[int] = set()
 
     def check(self) -> int:
@@ -98,15 +99,26 @@ class TorchWalk:
 
     def _held(self, index: Tensor, step: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor, int, bool]]:
         """Of a chunk's changes, per row: the payload positions this worker holds, their places in
-        the row's parameter, their steps, the parameter, and whether its partial sum counts them."""
-        for lo, hi, param, base, first, columns, row, rows, column, width, stride, owned in self._rows:
-            inside = (index >= lo) & (index < hi)
+        the row's parameter, their steps, the parameter, and whether its partial sum counts them.
+        The chunk's positions ascend, so each row's are one slice, found for every row by one
+        search (one wait for the device a chunk)."""
+        if self._bounds is None or self._bounds.device != index.device:
+            self._bounds = torch.tensor([b for r in self._rows for b in r[:2]], dtype=torch.int64, device=index.device)
+        slices = torch.searchsorted(index, self._bounds).view(-1, 2).tolist()
+        for (lo, _, param, base, first, columns, row, rows, column, width, stride, owned), (a, b) in zip(
+            self._rows, slices, strict=True
+        ):
+            if a == b:
+                continue
+            at, steps = index[a:b], step[a:b]
             if columns:  # a block of a 2-D tensor
-                flat = index - lo + first
+                flat = at - lo + first
                 r, c = flat // columns, flat % columns
-                inside &= (r >= row) & (r < row + rows) & (c >= column) & (c < column + width)
+                inside = (r >= row) & (r < row + rows) & (c >= column) & (c < column + width)
                 places = base + (r - row) * stride + (c - column)
+                at, places, steps = at[inside], places[inside], steps[inside]
+                if not at.numel():
+                    continue
             else:  # a run
-                places = index - lo + base
-            if bool(inside.any()):
-                yield index[inside], places[inside], step[inside], param, bool(owned)
+                places = at - lo + base
+            yield at, places, steps, param, bool(owned)
