@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import weakref
+from types import SimpleNamespace
 from typing import Any
 from unittest.mock import ANY
 
@@ -31,8 +32,10 @@ from lightning_delta import (
     elias_fano,
     group,
     plan,
+    scatter,
     sparse_walk,
     torch_walk,
+    whole_write,
 )
 from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
@@ -439,6 +442,20 @@ def test_the_torch_walk_finds_each_rows_changes_with_one_wait_a_chunk():
         walk.apply()
     assert [w for w in syncs.seen if "torch_walk.py" in w[1]] == [("Tensor.tolist", ANY)]
     assert torch.equal(torch.cat([held[n] for n in names]), new)
+
+
+def test_a_group_walking_with_torch_exchanges_no_tables_for_whole_walks(monkeypatch):
+    """With apply=torch no base step is walked whole (`Plan.walks_whole`), so no worker sends its
+    tables to the others for one; with a walk that does, every worker does."""
+    exchanged = []
+    monkeypatch.setattr(scatter, "peer_tables", lambda tables, group: exchanged.append(tables) or {})
+    decisions = group.Decisions(None)
+    decisions.group = object()  # type: ignore[assignment]  # a group's worker, as far as the writer asks
+    tables = {(0, 0): "its table"}
+    for walks_whole in (False, True):
+        plan_ = SimpleNamespace(walks_whole=walks_whole, device=CPU, tables=tables)
+        whole_write.WholeWriter(plan_, decisions)  # type: ignore[arg-type]
+    assert exchanged == [tables]
 
 
 def test_without_a_group_a_worker_decides_alone():
