@@ -170,10 +170,12 @@ def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fa
 
 
 def test_a_worker_whose_peer_failed_the_proof_reports_torch_and_names_it(store_url, monkeypatch, caplog):
-    """The group walks only what every worker walks: where another worker's kernels failed their
-    proof (it walks nothing), this one writes with torch too, and says so and which worker."""
+    """The group walks only what every worker walks: where another worker walks no payload (its
+    walker takes none of them), this one decodes them with torch too (`torch_path`), and says so
+    and which worker.  (A worker whose kernels failed their proof walks every payload with the torch
+    walk, beside its peers' device walks.)"""
     truth = publish(store_url)
-    monkeypatch.setattr(plan, "gather_json", lambda group, mine: [mine, []])  # worker 1: on torch
+    monkeypatch.setattr(plan, "gather_json", lambda group, mine: [mine, []])  # worker 1: walks nothing
     engine = Engine()
     with caplog.at_level(logging.WARNING, logger="lightning_delta.plan"):
         live = follower(store_url, engine, ApplyBackend.DEVICE)

@@ -169,8 +169,8 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker:
     return DeviceWalker(device)
 
 
-def backend_of(walker: Walker | None) -> ApplyBackend:
-    """The backend a walker made by `walker` is (None: none, which writes with torch)."""
+def backend_of(walker: Walker) -> ApplyBackend:
+    """The backend a walker made by `walker` is."""
     if isinstance(walker, DeviceWalker):
         return ApplyBackend.DEVICE
     return ApplyBackend.CPU_WALK if isinstance(walker, CpuWalker) else ApplyBackend.TORCH

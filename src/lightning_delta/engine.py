@@ -9,8 +9,9 @@ tensor-parallel group together:
 - `plan`: which payloads are walked in place or whole, through each worker's segment tables;
 - `prepare`: each payload routed to what writes it, and verified where it can be before a write;
 - `apply`: SPARSE payloads from the state held walked in (`sparse_walk` on the CPU, `device_walk`'s
-  Triton kernels on a GPU), one step after another for a follower that is late: decoded, checked
-  and written in one pass, and every walk taken back exactly if any worker's check fails;
+  Triton kernels on a GPU, `torch_walk` where those cannot run or with apply=torch), one step after
+  another for a follower that is late: decoded, checked and written in one pass, and every walk
+  taken back exactly if any worker's check fails;
 - `whole_write`: a base step's RAW payloads walked whole, each decompressed once in the group;
 - `torch_path`: the rest decoded with torch a chunk at a time and verified by the partial sums
   over the changes each worker owns before anything is written;
@@ -121,7 +122,6 @@ class EngineFollower:
         """What the group's workers decide together, each in one exchange."""
         self.rank, self.size = self.decisions.rank, self.decisions.size
         self._reader = ChainReader(store)
-        self._walker: walks.Walker | None = None
         mine: dict[str, list[list[list[int]]]] | Exception
         try:  # a worker that fails here still joins the group's first collective, with its error
             # (the kernels' proof runs on this worker's device alone: a DeviceError is this worker's)
@@ -343,7 +343,7 @@ class EngineFollower:
         leaves nothing written.  Returns whether a kept copy changed."""
         if not prepared.walked:
             return False
-        assert prepared.held is not None and self._walker is not None
+        assert prepared.held is not None
         held = prepared.held
         payloads = [
             p for r, i in sorted(prepared.walked) for p in self.plan.payloads(r, i, prepared.chains[r], held[r])

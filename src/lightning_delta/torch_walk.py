@@ -7,8 +7,10 @@ parameter, or a block of a 2-D one: `sparse_walk.SEGMENT_FIELDS`) to where this 
 `check` hashes the owned changes' old and new values into the partial checksum and writes nothing;
 `apply` does the same and adds each step (mod 2**16); `undo` decodes the chunks `apply` wrote once
 more and subtracts them, which restores every bit.  A malformed payload may raise only once its
-last chunk is decoded (`codec.iter_steps`): a chunk written before that is taken back by `undo`,
-and every position is bounded by its row, so none is written outside what the table names.
+last chunk is decoded (`codec.iter_steps`), after earlier chunks were written: `undo` decodes only
+the chunks `apply` wrote, never the bad spot again; a chunk is written whole or not at all (every
+row's places, steps and sum are made before its first write); and every position is bounded by
+its row, so none is written outside what the table names.
 """
 
 from __future__ import annotations
