@@ -48,6 +48,7 @@ from lightning_delta import (
     StoreError,
     sparse_walk,
 )
+from lightning_delta import apply as walks
 from lightning_delta import format as fmt
 from lightning_delta.engine import EngineFollower
 from lightning_delta.objects import FsspecObjects
@@ -193,6 +194,24 @@ def main() -> None:
     prepared, _, _ = walker.update(3)
     walker.verify()
     report["differ_then"] = [prepared.held is None, prepared.step]  # both loaded step 3 from its base
+
+    # worker 1's walk fails and so does its undo: it holds part of step 4, so both drop step 3 and
+    # re-sync step 4 from its base together (worker 0 alone dropping nothing would leave 1 waiting)
+    undo, undone = walks._CpuWalk.undo, [0]
+
+    def broken_undo(walk: walks._CpuWalk) -> None:
+        undone[0] += 1
+        if rank == 1 and undone[0] == 1:
+            raise RuntimeError("out of memory in the undo")
+        undo(walk)
+
+    calls[0] = 0
+    sparse_walk.Walk.apply = failing  # type: ignore[method-assign]
+    walks._CpuWalk.undo = broken_undo  # type: ignore[method-assign]
+    report["undo"] = outcome(lambda: walker.update(4))
+    sparse_walk.Walk.apply, walks._CpuWalk.undo = apply, undo  # type: ignore[method-assign]
+    walker.verify()
+    report["undo_then"] = [undone[0] > 0, walker.held_step]
 
     # the faults of one worker that are not `DeltaError`s, or that met a background thread: every
     # worker reaches the same decision, and then goes on

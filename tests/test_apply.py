@@ -8,7 +8,9 @@ import dataclasses
 import gc
 import logging
 import weakref
+from types import SimpleNamespace
 from typing import Any
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from forge import MESSAGE, forge_value
 from fused import Engine
 from lightning_delta import (
     ChecksumError,
+    DeltaError,
     DeviceError,
     FormatError,
     Store,
@@ -29,13 +32,16 @@ from lightning_delta import (
     elias_fano,
     group,
     plan,
+    scatter,
     sparse_walk,
     torch_walk,
+    whole_write,
 )
 from lightning_delta.apply import ApplyBackend, Payload
 from lightning_delta.codec import Mode
 from lightning_delta.format import MAX_ELEMENTS
 from test_engine import exact, follower, publish
+from test_kernels import audited
 from test_sparse_walk import UNCOMPRESSED, walks
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -164,10 +170,12 @@ def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fa
 
 
 def test_a_worker_whose_peer_failed_the_proof_reports_torch_and_names_it(store_url, monkeypatch, caplog):
-    """The group walks only what every worker walks: where another worker's kernels failed their
-    proof (it walks nothing), this one writes with torch too, and says so and which worker."""
+    """The group walks only what every worker walks: where another worker walks no payload (its
+    walker takes none of them), this one decodes them with torch too (`torch_path`), and says so
+    and which worker.  (A worker whose kernels failed their proof walks every payload with the torch
+    walk, beside its peers' device walks.)"""
     truth = publish(store_url)
-    monkeypatch.setattr(plan, "gather_json", lambda group, mine: [mine, []])  # worker 1: on torch
+    monkeypatch.setattr(plan, "gather_json", lambda group, mine: [mine, []])  # worker 1: walks nothing
     engine = Engine()
     with caplog.at_level(logging.WARNING, logger="lightning_delta.plan"):
         live = follower(store_url, engine, ApplyBackend.DEVICE)
@@ -287,6 +295,169 @@ def test_a_payload_the_device_walk_refuses_names_itself_and_nothing_is_written()
     with pytest.raises(FormatError):  # torch's decoder refuses it too, after the good payload was walked in
         apply.apply(apply.TorchWalker(CPU), [good, bad], held.__getitem__, None)
     assert not held["w"].any() and not held["v"].any()
+
+
+@pytest.mark.parametrize("backend", list(ApplyBackend))
+def test_a_payload_that_fails_after_a_chunk_is_walked_in_leaves_nothing_written(backend):
+    """The bad payload's high bits lose one set bit: its first changes decode (and are written)
+    before the count falls short of the header's, after a good payload was walked in.  Every walk
+    is taken back, the bad one without decoding past what it wrote: `FormatError`, nothing written."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9, 40]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    packed = codec.parse(data, 64)
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    good = Payload((0, 0), data, 64, torch.bfloat16, packed.m, table, ("w",), 0, "rank 0 payload 0")
+    [moved] = apply.check(apply.CpuWalker(), [good], {"w": old}.__getitem__)
+    good = dataclasses.replace(good, moved=moved)
+    sections = list(packed.sections)
+    high = sections[1].clone()
+    last = int(high.nonzero()[-1])
+    high[last] = int(high[last]) & (int(high[last]) - 1)  # its lowest set bit cleared: the last change lost
+    sections[1] = high
+    hostile = codec.serialize(dataclasses.replace(packed, sections=tuple(sections)), UNCOMPRESSED)
+    bad = dataclasses.replace(good, key=(0, 1), data=hostile, names=("v",), where="rank 0 payload 1")
+    held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    written = []
+    undo = torch_walk.TorchWalk.undo
+
+    def watched(walk: torch_walk.TorchWalk) -> None:
+        written.append(held["v"].count_nonzero().item())
+        undo(walk)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_walk.TorchWalk, "undo", watched)
+        with pytest.raises(FormatError):
+            apply.apply(apply.walker(backend, CPU), [good, bad], held.__getitem__, None)
+    assert not held["w"].any() and not held["v"].any()
+    if backend == ApplyBackend.TORCH:
+        assert written[0] > 0  # the bad payload's first changes were written before it raised
+
+
+def test_every_walk_is_taken_back_past_an_undo_that_raised_and_the_follower_holds_no_step(
+    store_url, monkeypatch, caplog
+):
+    """An undo that raises (out of memory, say) leaves its own payload written in part: the walks
+    before it are taken back all the same, `UndoError` says so, and the follower holds no step, so
+    that its next write loads a base."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    first = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    [moved] = apply.check(apply.TorchWalker(CPU), [first], {"w": old}.__getitem__)
+    first = dataclasses.replace(first, moved=moved)
+    second = dataclasses.replace(first, key=(0, 1), names=("v",), moved=moved + 1, where="rank 0 payload 1")
+    held = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    undo = torch_walk.TorchWalk.undo
+
+    def fails_on_v(walk: torch_walk.TorchWalk) -> None:
+        if walk._targets[0] is held["v"]:
+            raise torch.OutOfMemoryError("no memory for the undo")
+        undo(walk)
+
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", fails_on_v)
+    with pytest.raises(apply.UndoError, match=r"ChecksumError: rank 0 payload 1 .* could not be taken back \(Out"):
+        apply.apply(apply.TorchWalker(CPU), [first, second], held.__getitem__, None)
+    assert not held["w"].any() and torch.equal(held["v"], new)
+
+    truth = publish(store_url)
+    forge_value(Store(store_url), 3)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.TORCH)
+    live.write(live.prepare(2))
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", lambda walk: (_ for _ in ()).throw(RuntimeError("no undo")))
+    with caplog.at_level(logging.WARNING, logger="lightning_delta.engine"), pytest.raises(ChecksumError):
+        live.update(3)  # the re-sync from a base then meets the forged value
+    assert "could not be taken back (RuntimeError: no undo)" in caplog.text and "re-syncing step 3" in caplog.text
+    assert live.held_step is None
+    monkeypatch.setattr(torch_walk.TorchWalk, "undo", undo)
+    live.write(live.prepare(5))
+    assert exact(engine, truth[5])
+
+
+def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monkeypatch):
+    """A chunk spanning two rows (two parameters) whose second row's hash runs out of memory: the
+    first row is not written either, as `apply`'s undo counts whole chunks."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 40]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    rows = [[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w", "v"), 0, "rank 0 payload 0")
+    held = {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+    calls, update = [], torch_walk.checksum_update
+
+    def second_fails(*args: Any) -> int:
+        calls.append(args)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory on the second row")
+        return update(*args)
+
+    monkeypatch.setattr(torch_walk, "checksum_update", second_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        apply.apply(apply.TorchWalker(CPU), [payload], held.__getitem__, None)
+    assert len(calls) == 2 and not held["w"].any() and not held["v"].any()
+
+
+def test_a_walk_that_raises_outside_the_library_raises_a_delta_error_and_holds_no_step(store_url, monkeypatch):
+    """Without a group, out of memory inside the torch walk reaches `write`'s caller (the vLLM
+    backend catches `DeltaError`) as a `DeltaError` naming it; the step is taken back, the
+    follower holds none, and the next step loads from a base."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine, ApplyBackend.TORCH)
+    live.write(live.prepare(2))
+    before = {k: v.clone() for k, v in engine.state().items()}
+    walk_apply = torch_walk.TorchWalk.apply
+
+    def oom(walk: torch_walk.TorchWalk) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch_walk.TorchWalk, "apply", oom)
+    with pytest.raises(DeltaError, match="OutOfMemoryError: CUDA out of memory"):
+        live.write(live.prepare(3))
+    assert live.held_step is None
+    assert all(torch.equal(before[k], v) for k, v in engine.state().items())
+    monkeypatch.setattr(torch_walk.TorchWalk, "apply", walk_apply)
+    live.write(live.prepare(4))
+    assert exact(engine, truth[4])
+
+
+def test_the_torch_walk_finds_each_rows_changes_with_one_wait_a_chunk():
+    """A chunk's positions ascend, so each row's changes are one slice: the rows' bounds are
+    searched at once, never one wait for the device a row."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[::3] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    rows = [[lo, lo + 4, lo // 4, 0, 0, 0, 0, 0, 0, 0, 0, 1] for lo in range(0, 64, 4)]  # 16 parameters
+    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
+    names = tuple(str(p) for p in range(16))
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 22, table, names, 0, "rank 0 payload 0")
+    held = {name: torch.zeros(4, dtype=torch.int16) for name in names}
+    walk = apply.TorchWalker(CPU).walk(payload, [held[n] for n in names])
+    with audited() as syncs:
+        walk.apply()
+    assert [w for w in syncs.seen if "torch_walk.py" in w[1]] == [("Tensor.tolist", ANY)]
+    assert torch.equal(torch.cat([held[n] for n in names]), new)
+
+
+def test_a_group_walking_with_torch_exchanges_no_tables_for_whole_walks(monkeypatch):
+    """With apply=torch no base step is walked whole (`Plan.walks_whole`), so no worker sends its
+    tables to the others for one; with a walk that does, every worker does."""
+    exchanged = []
+    monkeypatch.setattr(scatter, "peer_tables", lambda tables, group: exchanged.append(tables) or {})
+    decisions = group.Decisions(None)
+    decisions.group = object()  # type: ignore[assignment]  # a group's worker, as far as the writer asks
+    tables = {(0, 0): "its table"}
+    for walks_whole in (False, True):
+        plan_ = SimpleNamespace(walks_whole=walks_whole, device=CPU, tables=tables)
+        whole_write.WholeWriter(plan_, decisions)  # type: ignore[arg-type]
+    assert exchanged == [tables]
 
 
 def test_without_a_group_a_worker_decides_alone():

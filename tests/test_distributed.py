@@ -203,8 +203,9 @@ def test_a_replica_refuses_a_value_only_the_trainers_checksum_can_catch(replica_
 def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_error(tmp_path):
     """No rank is left waiting: a publisher's claim on a prefix rank 0 cannot write, a replica's load
     and follow, and an engine's prepare, where one rank's store fails; an engine's in-place walk,
-    where one worker's walk fails halfway (both then hold the step they held), and where the workers
-    hold different steps (both load the next from its base); errors that are not `DeltaError`s in a
+    where one worker's walk fails halfway (both then hold the step they held), where its undo fails
+    too (both drop the step and re-sync from a base), and where the workers hold different steps
+    (both load the next from its base); errors that are not `DeltaError`s in a
     prepare, a walk, a write and at init, a base part one worker reads damaged, and a store error in
     one worker's prefetcher.  Every rank raises the failing rank's `DeltaError` type (the timeout of
     `torchrun` is what a hang would hit)."""
@@ -223,6 +224,8 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
     assert [reports[0]["walk_calls"], reports[1]["walk_calls"]] == [walked, 2]
     assert reports[0]["differ_then"] == reports[1]["differ_then"] == [True, 3]
     assert "worker 1 of the group" in reports[0]["walk"][2]
+    # worker 1's walk and then its undo failed: both dropped step 3 and re-synced step 4 from its base
+    assert [r["undo"][0] for r in reports] == ["ok", "ok"] and [r["undo_then"] for r in reports] == [[True, 4]] * 2
     # errors that are not `DeltaError`s: a `DeltaError` on every worker, naming worker 1, then both go on
     for case, kind in (("raw_prepare", "RuntimeError"), ("raw_init", "RuntimeError"), ("keyerror", "KeyError")):
         for report in reports:

@@ -38,12 +38,12 @@ from torch import Tensor
 
 from . import codec, device_walk, sparse_walk, torch_path
 from . import format as fmt
-from .errors import ChecksumError, DeviceError, FormatError
+from .errors import ChecksumError, DeltaError, DeviceError, FormatError
 from .group import sum_partials
 from .sparse_walk import Segments
 from .torch_walk import TorchWalk
 
-__all__ = ["ApplyBackend", "Payload", "TorchWalker", "Walker", "apply", "backend_of", "check", "walker"]
+__all__ = ["ApplyBackend", "Payload", "TorchWalker", "UndoError", "Walker", "apply", "backend_of", "check", "walker"]
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ def walker(backend: ApplyBackend | None, device: torch.device) -> Walker:
     return DeviceWalker(device)
 
 
-def backend_of(walker: Walker | None) -> ApplyBackend:
-    """The backend a walker made by `walker` is (None: none, which writes with torch)."""
+def backend_of(walker: Walker) -> ApplyBackend:
+    """The backend a walker made by `walker` is."""
     if isinstance(walker, DeviceWalker):
         return ApplyBackend.DEVICE
     return ApplyBackend.CPU_WALK if isinstance(walker, CpuWalker) else ApplyBackend.TORCH
@@ -188,7 +188,8 @@ def apply(
 ) -> set[int]:
     """Walk every payload in, then check the group's sums: if any payload fails on any worker,
     every walk is taken back on every worker and the step leaves nothing written (`ChecksumError`,
-    or the failing worker's error).  Returns the kept copies written."""
+    or the failing worker's error; `UndoError` on a worker where a walk could not be taken back).
+    Returns the kept copies written."""
     walks: list[PayloadWalk] = []
     try:
         outcome: Exception | None = None
@@ -207,9 +208,8 @@ def apply(
                     f"{payload.where} does not reproduce the trainer's checksum from the values the engine holds; "
                     "nothing was written, and the next step is written whole"
                 )
-    except BaseException:
-        for walk in reversed(walks):
-            walk.undo()
+    except BaseException as err:
+        _undo(walks, err)
         raise
     return {
         name
@@ -217,6 +217,27 @@ def apply(
         for at, name in enumerate(payload.names)
         if isinstance(name, int) and walk.wrote(at)
     }
+
+
+class UndoError(DeltaError):
+    """A walk could not be taken back: the engine holds part of a step, so the follower must hold
+    none (its next write loads a base)."""
+
+
+def _undo(walks: Sequence[PayloadWalk], failure: BaseException) -> None:
+    """Take back every walk, even past one whose undo raised (each restores only its own writes);
+    `UndoError` after them, from the first undo that raised, if one did."""
+    first: Exception | None = None
+    for walk in reversed(walks):
+        try:
+            walk.undo()
+        except Exception as err:
+            first = first or err
+    if first is not None:
+        raise UndoError(
+            f"a step's walk failed ({type(failure).__name__}: {failure}) and could not be taken back "
+            f"({type(first).__name__}: {first}): the engine holds part of the step"
+        ) from first
 
 
 # ---------------------------------------------------------------------------------- the CPU walk

@@ -9,8 +9,9 @@ tensor-parallel group together:
 - `plan`: which payloads are walked in place or whole, through each worker's segment tables;
 - `prepare`: each payload routed to what writes it, and verified where it can be before a write;
 - `apply`: SPARSE payloads from the state held walked in (`sparse_walk` on the CPU, `device_walk`'s
-  Triton kernels on a GPU), one step after another for a follower that is late: decoded, checked
-  and written in one pass, and every walk taken back exactly if any worker's check fails;
+  Triton kernels on a GPU, `torch_walk` where those cannot run or with apply=torch), one step after
+  another for a follower that is late: decoded, checked and written in one pass, and every walk
+  taken back exactly if any worker's check fails;
 - `whole_write`: a base step's RAW payloads walked whole, each decompressed once in the group;
 - `torch_path`: the rest decoded with torch a chunk at a time and verified by the partial sums
   over the changes each worker owns before anything is written;
@@ -121,7 +122,6 @@ class EngineFollower:
         """What the group's workers decide together, each in one exchange."""
         self.rank, self.size = self.decisions.rank, self.decisions.size
         self._reader = ChainReader(store)
-        self._walker: walks.Walker | None = None
         mine: dict[str, list[list[list[int]]]] | Exception
         try:  # a worker that fails here still joins the group's first collective, with its error
             # (the kernels' proof runs on this worker's device alone: a DeviceError is this worker's)
@@ -343,16 +343,27 @@ class EngineFollower:
         leaves nothing written.  Returns whether a kept copy changed."""
         if not prepared.walked:
             return False
-        assert prepared.held is not None and self._walker is not None
+        assert prepared.held is not None
         held = prepared.held
         payloads = [
             p for r, i in sorted(prepared.walked) for p in self.plan.payloads(r, i, prepared.chains[r], held[r])
         ]
         try:
             return bool(walks.apply(self._walker, payloads, functools.partial(self.plan.target, params), self.group))
-        except ChecksumError:
-            self._held = None  # the engine's weights, or the step, are not what they should be
-            raise
+        except Exception as err:  # every worker raises here: the group heard of any failure in `apply`
+            try:  # a worker whose undo failed holds part of the step: every worker drops the step held
+                self.decisions.agree(err if isinstance(err, walks.UndoError) else None)
+            except Exception:
+                self._held, self._generation = None, self._generation + 1
+                raise
+            if isinstance(err, ChecksumError):
+                self._held = None  # the engine's weights, or the step, are not what they should be
+            if isinstance(err, DeltaError):
+                raise
+            # out of memory, say, on a worker without a group (a group's exchange names it a DeltaError):
+            # taken back, yet raised as `write` raises every failure, and the next write loads a base
+            self._held, self._generation = None, self._generation + 1
+            raise DeltaError(f"{type(err).__name__}: {err}") from err
 
     # ------------------------------------------------------------------ full check
 

@@ -53,7 +53,7 @@ class Plan:
         view_map: ViewMap,
         owned: Mapping[str, Sequence[bool]],
         rank: int,
-        walker: Walker | None,
+        walker: Walker,
         backend: ApplyBackend,
         group: dist.ProcessGroup | None,
         device: torch.device,
@@ -167,20 +167,19 @@ def segment_tables(
     view_map: ViewMap,
     owned: Mapping[str, Sequence[bool]],
     rank: int,
-    walker: Walker | None,
+    walker: Walker,
     group: dist.ProcessGroup | None,
 ) -> dict[tuple[int, int], Table]:
     """The payloads (trainer rank, payload) every worker of the group walks, with this worker's
-    tables (none without a walker; every worker calls this together)."""
+    tables (every worker calls this together)."""
     tables = {}
     mine: list[tuple[int, int]] | Exception
     try:
-        if walker is not None:
-            for trainer, payloads in enumerate(views):
-                for i, view in enumerate(payloads):
-                    table = segment_table(view, names, shapes, view_map, owned, rank)
-                    if table is not None and walker.takes(table[1]):
-                        tables[trainer, i] = table
+        for trainer, payloads in enumerate(views):
+            for i, view in enumerate(payloads):
+                table = segment_table(view, names, shapes, view_map, owned, rank)
+                if table is not None and walker.takes(table[1]):
+                    tables[trainer, i] = table
         mine = sorted(tables)
     except Exception as err:
         mine = err

@@ -34,7 +34,7 @@ __all__ = ["route_and_verify"]
 def route_and_verify(
     plan: Plan,
     torch_path: TorchPath,
-    walker: walks.Walker | None,
+    walker: walks.Walker,
     decisions: Decisions,
     params: Mapping[str, Tensor],
     step: int,
@@ -87,7 +87,6 @@ def route_and_verify(
             assert state is not None  # no parts: the step is the one held
             states.append(state)
         if checked:
-            assert walker is not None
             partials += walks.check(walker, checked, functools.partial(plan.target, params))
             expected += [(*p.key, chains[p.key[0]][0].header.step, p.moved) for p in checked]
     except Exception as err:  # whatever it is (an out-of-memory, a bad index), the group hears of it

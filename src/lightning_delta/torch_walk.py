@@ -7,12 +7,15 @@ parameter, or a block of a 2-D one: `sparse_walk.SEGMENT_FIELDS`) to where this 
 `check` hashes the owned changes' old and new values into the partial checksum and writes nothing;
 `apply` does the same and adds each step (mod 2**16); `undo` decodes the chunks `apply` wrote once
 more and subtracts them, which restores every bit.  A malformed payload may raise only once its
-last chunk is decoded (`codec.iter_steps`): a chunk written before that is taken back by `undo`,
-and every position is bounded by its row, so none is written outside what the table names.
+last chunk is decoded (`codec.iter_steps`), after earlier chunks were written: `undo` decodes only
+the chunks `apply` wrote, never the bad spot again; a chunk is written whole or not at all (every
+row's places, steps and sum are made before its first write); and every position is bounded by
+its row, so none is written outside what the table names.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -40,6 +43,7 @@ class TorchWalk:
         self._payload, self._targets, self._device, self._chunk = payload, list(targets), device, chunk
         self._rows = payload.segments.calls[:-1]  # the last: the walk's sentinel, held by no one
         self._applied = 0  # the chunks the last `apply` wrote
+        self._bounds: Tensor | None = None  # each row's first and last position, on the decoding device
         self._wrote: set[int] = set()
 
     def check(self) -> int:
@@ -73,11 +77,11 @@ class TorchWalk:
             yield steps.index, steps.step
 
     def _run(self, sign: int, limit: int | None) -> int:
-        """Hash (`sign` 0 or 1) and add `sign` times each step, chunk by chunk (the first `limit`)."""
+        """Hash (`sign` 0 or 1) and add `sign` times each step, chunk by chunk (the first `limit`:
+        an undo never decodes past what `apply` wrote, where a malformed payload would raise)."""
         moved = 0
-        for done, (index, step) in enumerate(self._chunks()):
-            if limit is not None and done == limit:
-                break
+        for done, (index, step) in enumerate(itertools.islice(self._chunks(), limit)):
+            writes = []
             for at, places, steps, param, owned in self._held(index, step):
                 target = self._targets[param]
                 places = places.to(target.device)
@@ -86,23 +90,37 @@ class TorchWalk:
                     old = target.index_select(0, places)
                     moved += checksum_update(0, at.to(target.device), old, old + steps)
                 if sign:
-                    target.index_add_(0, places, steps if sign > 0 else -steps)  # int16 wraps: mod 2**16
-                    self._wrote.add(param)
+                    writes.append((param, places, steps if sign > 0 else -steps))
+            # every row's places, steps and sum are made before the first write: a chunk is written whole or not at all
+            for param, places, steps in writes:
+                self._targets[param].index_add_(0, places, steps)  # int16 wraps: mod 2**16
+                self._wrote.add(param)
             if sign > 0:
                 self._applied = done + 1
         return moved & _MASK64
 
     def _held(self, index: Tensor, step: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor, int, bool]]:
         """Of a chunk's changes, per row: the payload positions this worker holds, their places in
-        the row's parameter, their steps, the parameter, and whether its partial sum counts them."""
-        for lo, hi, param, base, first, columns, row, rows, column, width, stride, owned in self._rows:
-            inside = (index >= lo) & (index < hi)
+        the row's parameter, their steps, the parameter, and whether its partial sum counts them.
+        The chunk's positions ascend, so each row's are one slice, found for every row by one
+        search (one wait for the device a chunk)."""
+        if self._bounds is None or self._bounds.device != index.device:
+            self._bounds = torch.tensor([b for r in self._rows for b in r[:2]], dtype=torch.int64, device=index.device)
+        slices = torch.searchsorted(index, self._bounds).view(-1, 2).tolist()
+        for (lo, _, param, base, first, columns, row, rows, column, width, stride, owned), (a, b) in zip(
+            self._rows, slices, strict=True
+        ):
+            if a == b:
+                continue
+            at, steps = index[a:b], step[a:b]
             if columns:  # a block of a 2-D tensor
-                flat = index - lo + first
+                flat = at - lo + first
                 r, c = flat // columns, flat % columns
-                inside &= (r >= row) & (r < row + rows) & (c >= column) & (c < column + width)
+                inside = (r >= row) & (r < row + rows) & (c >= column) & (c < column + width)
                 places = base + (r - row) * stride + (c - column)
+                at, places, steps = at[inside], places[inside], steps[inside]
+                if not at.numel():
+                    continue
             else:  # a run
-                places = index - lo + base
-            if bool(inside.any()):
-                yield index[inside], places[inside], step[inside], param, bool(owned)
+                places = at - lo + base
+            yield at, places, steps, param, bool(owned)

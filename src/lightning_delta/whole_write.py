@@ -37,7 +37,7 @@ class WholeWriter:
         self.plan, self.decisions = plan, decisions
         self.peers: dict[Key, list[whole_walk.Segments]] = {}
         """Every worker's tables, for the payloads this worker decodes for the others."""
-        if decisions.group is not None and plan.device.type == "cpu":
+        if decisions.group is not None and plan.walks_whole:  # the same on every worker: one exchange or none
             self.peers = scatter.peer_tables(plan.tables, decisions.group)
 
     def write(
