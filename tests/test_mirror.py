@@ -217,6 +217,35 @@ def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only
     assert_loads(mirror.destination, truth, [3, 6, 9, 12, 15, 18, 40])
 
 
+def test_a_step_found_after_a_miss_is_exact_only_if_the_miss_was_at_most_two_polls_before(monkeypatch):
+    """A step the mirror found just after a pass that missed it came about then: it anchors the
+    cadence.  One found after the mirror was held up since its miss (a slow request, a stall) may
+    have come any time in between, like a step found at the first poll."""
+    clock, told = [0.0], []
+
+    class Told(Cadence):
+        def arrived(self, at: float, exact: bool = True) -> None:
+            told.append(exact)
+            super().arrived(at, exact)
+
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(mirror_module, "Cadence", Told)
+    with _following() as (publish, mirror, _, _):
+        publish(1)
+        publish(2)
+        assert mirror.sync().mirror_step == 2 and told == [False]  # a listing: steps came any time
+        clock[0] = 10.0
+        assert mirror.sync().mirror_step == 2  # a miss
+        publish(3)
+        clock[0] = 11.0  # one poll later
+        assert mirror.sync().mirror_step == 3 and told == [False, True]
+        clock[0] = 20.0
+        assert mirror.sync().mirror_step == 3  # a miss, then the mirror is held up
+        publish(4)
+        clock[0] = 26.0
+        assert mirror.sync().mirror_step == 4 and told == [False, True, False]
+
+
 def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):
     """The stride learned from a listing (3, 5: 2) guesses 7 after 5; once the trainer commits 6
     and 7, 7 is a delta from 6, which the mirror does not hold: copied, it would be a step listed at
@@ -341,6 +370,11 @@ def test_a_cadence_is_not_held_late_by_a_step_found_at_the_first_poll():
     assert cadence.wait(139.0, 1.0, late=0.25) == pytest.approx(10.0)
     cadence.arrived(150.2)  # found after a miss: on the rhythm again
     assert cadence.wait(150.2, 1.0) == pytest.approx(28.8)
+    shifted = Cadence()
+    for t in (0.0, 30.0, 60.0, 90.0, 120.0):
+        shifted.arrived(t)
+    shifted.arrived(134.0, exact=False)  # a listing finds a step that came 16 s early (a new phase)
+    assert shifted.wait(134.5, 1.0) == pytest.approx(28.5)  # its place, 164, is not cut as before a pause
 
 
 def test_a_mirror_deletes_what_the_source_deleted_in_retentions_order():

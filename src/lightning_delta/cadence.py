@@ -11,12 +11,12 @@ the ones after it.  Waking at the earliest of those places finds each step as so
 but a trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then
 polled through the whole spread, every poll a request that finds nothing.  `late` wakes at a
 quantile of those places instead: about that share of steps is found at the first poll (late, by
-up to the spread), and the polls before the others shrink with it.  A place earlier than half a
-gap before where the newest exact arrival (a step found after a poll that missed it) puts the next
-step comes from before a pause (a trainer's warm-up) and is passed over; a step found at the first
-poll only says it came before, so it never anchors that cut (one late find would otherwise delay
-every step after it).  With two gaps only, the shorter one is the rhythm.  A backlog found at once (gaps of zero) turns
-the schedule off until the rhythm is steady again.
+up to the spread), and the polls before the others shrink with it.  An older place earlier than
+half a gap before where the newest exact arrival (a step found just after a poll that missed it)
+puts the next step comes from before a pause (a trainer's warm-up) and is passed over; a step found
+at the first poll only says it came before, so it never anchors that cut (one late find would
+otherwise delay every step after it).  With two gaps only, the shorter one is the rhythm.  A
+backlog found at once (gaps of zero) turns the schedule off until the rhythm is steady again.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ class Cadence:
         usual = statistics.median(gaps)
         n = len(self._arrivals)
         places = [at + (n - i) * usual for i, at in enumerate(self._arrivals)]  # where each puts the next step
-        exact = [p for p, found_after_a_miss in zip(places, self._exact, strict=True) if found_after_a_miss]
-        if exact:  # half a gap before the newest exact arrival's place: from before a pause (a warm-up)
-            places = [p for p in places if p >= exact[-1] - usual / 2]
+        anchor = max((i for i, exact in enumerate(self._exact) if exact), default=None)
+        if anchor is not None:  # older places half a gap before the newest exact one's: from before a pause
+            places = [p for i, p in enumerate(places) if i >= anchor or p >= places[anchor] - usual / 2]
         places.sort()
         due = places[int(late * (len(places) - 1))]
         return max(poll, due - poll - now)

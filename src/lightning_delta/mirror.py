@@ -219,7 +219,7 @@ class Mirror:
         self._cadence = Cadence()
         self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
         self._largest: dict[int, int] = {}  # rank -> its largest delta seen: what a blob read ahead may be
-        self._missed = False  # the last pass looked for the next step and did not find it
+        self._missed_at: float | None = None  # when the last pass, which missed the next step, began
         self._beat_at: float | None = None  # when the heartbeat was last relayed
 
     def __repr__(self) -> str:
@@ -276,13 +276,14 @@ class Mirror:
         they are there."""
         mirrored_base = copied = False
         stopped = None
-        fresh, self._missed = self._missed, False  # the last pass missed it: a step found now just came
+        missed_at, self._missed_at = self._missed_at, None
+        fresh = missed_at is not None  # the last pass missed it: a step found now just came
         while stopped is None:
             newest = max(self._done, default=None)
             step = (newest if newest is not None else -self._stride) + self._stride
             parts = self._parts_named(step, world, newest)
             if parts is None:  # not committed yet (or damaged: the overdue listing will say)
-                self._missed = not copied
+                self._missed_at = None if copied else now
                 break
             if not parts:  # a delta from a step the mirror does not hold: the guess passed one over
                 self._listed_at = None  # the next pass lists (the stride changed)
@@ -294,7 +295,9 @@ class Mirror:
             if step not in self._done or fresh:  # a step that just came: the next is not there yet
                 break
         if copied:  # the pass's start: nearer the commit than its end, after the step's bytes
-            self._cadence.arrived(now, exact=fresh)
+            # exact: it came since a miss at most two polls before (not across a mirror held up)
+            exact = missed_at is not None and now - missed_at <= 2 * self.settings.poll_seconds
+            self._cadence.arrived(now, exact=exact)
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
             return
