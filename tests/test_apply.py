@@ -427,9 +427,10 @@ def test_a_walk_that_raises_outside_the_library_raises_a_delta_error_and_holds_n
     assert exact(engine, truth[4])
 
 
-def test_the_torch_walk_finds_each_rows_changes_with_one_wait_a_chunk():
+def test_the_torch_walk_finds_each_rows_changes_with_one_search_a_chunk():
     """A chunk's positions ascend, so each row's changes are one slice: the rows' bounds are
-    searched at once, never one wait for the device a row."""
+    searched at once, one wait for the device a chunk, never one a row, to find them (the checksum
+    moves, in checksum.py, still wait a row)."""
     old = torch.zeros(64, dtype=torch.int16)
     new = old.clone()
     new[::3] = 1

@@ -103,7 +103,8 @@ class TorchWalk:
         """Of a chunk's changes, per row: the payload positions this worker holds, their places in
         the row's parameter, their steps, the parameter, and whether its partial sum counts them.
         The chunk's positions ascend, so each row's are one slice, found for every row by one
-        search (one wait for the device a chunk)."""
+        search (one wait a chunk, not one a row; each row's checksum move and a block row's mask
+        still wait for the device: torch is the reference walk, the device walk the one without)."""
         if self._bounds is None or self._bounds.device != index.device:
             self._bounds = torch.tensor([b for r in self._rows for b in r[:2]], dtype=torch.int64, device=index.device)
         slices = torch.searchsorted(index, self._bounds).view(-1, 2).tolist()
