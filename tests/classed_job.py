@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import jobs
 from fused import Engine
-from lightning_delta import Store, codec
+from lightning_delta import Store, codec, decoder
 from lightning_delta.codec import Context, Mode
 from lightning_delta.engine import EngineFollower
 from lightning_delta.torch_path import TorchPath
@@ -97,9 +97,10 @@ def main() -> None:
 
     TorchPath.exponents = counted  # type: ignore[method-assign]
     iter_steps, calls = codec.iter_steps, [0]
-    codec.iter_steps = failing_on(1, 2, iter_steps, torch.OutOfMemoryError("out of memory decoding"), calls)  # type: ignore[assignment]
+    failing = failing_on(1, 2, iter_steps, torch.OutOfMemoryError("out of memory decoding"), calls)
+    codec.iter_steps = decoder.iter_steps = failing  # type: ignore[assignment]  # (`decode_steps` calls the decoder's)
     case("decode", lambda: follower.prepare(2))
-    codec.iter_steps = iter_steps  # type: ignore[assignment]
+    codec.iter_steps = decoder.iter_steps = iter_steps  # type: ignore[assignment]
     report["decode_asked"] = asked[0]  # the exponent exchanges this worker entered
 
     exponent_bytes, calls = codec.exponent_bytes, [0]
