@@ -217,10 +217,11 @@ def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only
     assert_loads(mirror.destination, truth, [3, 6, 9, 12, 15, 18, 40])
 
 
-def test_a_step_found_after_a_miss_is_exact_only_if_the_miss_was_at_most_two_polls_before(monkeypatch):
-    """A step the mirror found just after a pass that missed it came about then: it anchors the
-    cadence.  One found after the mirror was held up since its miss (a slow request, a stall) may
-    have come any time in between, like a step found at the first poll."""
+def test_a_step_found_after_a_miss_is_exact_only_if_the_miss_was_just_before(monkeypatch):
+    """A step the mirror found just after a pass that missed it (two polls, or a tenth of the usual
+    gap) came about then: it anchors the cadence.  One found after the mirror was held up since its
+    miss (a slow request, a stall) may have come any time in between, like a step found at the
+    first poll."""
     clock, told = [0.0], []
 
     class Told(Cadence):

@@ -219,7 +219,7 @@ class Mirror:
         self._cadence = Cadence()
         self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
         self._largest: dict[int, int] = {}  # rank -> its largest delta seen: what a blob read ahead may be
-        self._missed_at: float | None = None  # when the last pass, which missed the next step, began
+        self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
 
     def __repr__(self) -> str:
@@ -283,7 +283,7 @@ class Mirror:
             step = (newest if newest is not None else -self._stride) + self._stride
             parts = self._parts_named(step, world, newest)
             if parts is None:  # not committed yet (or damaged: the overdue listing will say)
-                self._missed_at = None if copied else now
+                self._missed_at = None if copied else time.monotonic()
                 break
             if not parts:  # a delta from a step the mirror does not hold: the guess passed one over
                 self._listed_at = None  # the next pass lists (the stride changed)
@@ -295,8 +295,10 @@ class Mirror:
             if step not in self._done or fresh:  # a step that just came: the next is not there yet
                 break
         if copied:  # the pass's start: nearer the commit than its end, after the step's bytes
-            # exact: it came since a miss at most two polls before (not across a mirror held up)
-            exact = missed_at is not None and now - missed_at <= 2 * self.settings.poll_seconds
+            # exact: it came since a miss just before (two polls, or a tenth of a gap), not across a
+            # mirror held up after its miss
+            usual = self._cadence.usual_gap() or 0.0
+            exact = missed_at is not None and now - missed_at <= max(2 * self.settings.poll_seconds, usual / 10)
             self._cadence.arrived(now, exact=exact)
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
