@@ -144,7 +144,13 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
     assert not log.exists(), log.read_text()  # no object was written twice
 
 
-def test_each_source_object_is_read_once_across_passes():
+@pytest.mark.parametrize("held_up", [0.0, 100.0])
+def test_each_source_object_is_read_once_across_passes(monkeypatch, held_up):
+    """`held_up`: the mirror, waiting at step 5, is overdue at step 6 and lists the source, so it
+    copies step 6's blob before step 5 can come; the pass that then finds step 6 by its name must
+    not read that blob ahead again."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
     shared = DictObjects()
     watched = Recording("dict://home", shared.objects)  # the mirror's view of the source
     torch.manual_seed(0)
@@ -158,6 +164,7 @@ def test_each_source_object_is_read_once_across_passes():
             truth |= {step: t for step, t in enumerate(train(None, model, 1).values(), start=step)}
             publisher.publish(step)
             publisher.flush()
+            clock[0] += {6: 1.0 + held_up, 7: 0.5 if held_up else 1.0}.get(step, 1.0)
             if step == 5:  # its marker is there, its blob not yet: the mirror waits at step 5
                 watched.hidden.add(fmt.blob_path(5, 0, 1))
             if step == 7:

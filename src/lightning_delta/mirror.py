@@ -325,8 +325,13 @@ class Mirror:
         # rank's at once, so a poll that finds nothing is one or two 404s, not two per rank
         for asked in ([parts[:1]] if unseen and world > 1 else []) + [parts]:
             with self._lock:
-                ahead = [
-                    p for p in asked if self.settings.read_ahead and p not in self._ahead and p.rank in self._largest
+                ahead = [  # not a blob a listing already copied (its step waited for an earlier one)
+                    p
+                    for p in asked
+                    if self.settings.read_ahead
+                    and p not in self._ahead
+                    and p.rank in self._largest
+                    and p.blob_key not in self._checked
                 ]
             jobs = [(self._source_marker, p) for p in asked] + [(self._read_ahead, p) for p in ahead]
             markers = list(self._pool.map(lambda job: job[0](job[1]), jobs))[: len(asked)]
