@@ -11,6 +11,8 @@ collective of the library:
   then rank 1 forgets the step it holds, and both load the next step from its base;
 * raw_prepare, raw_init: rank 1's store raises an error it does not classify (not a `DeltaError`);
 * keyerror: rank 1's engine no longer registers a parameter the walk writes;
+* params_prepare, params_write: rank 1's engine cannot list its parameters, in a prepare, or only
+  in the write that follows it;
 * oom_write: rank 1 runs out of memory writing a step from its base, after the walk (as it walks
   the base's payloads whole, where it loads from a base part alone);
 * damaged: rank 1 reads a base part with a byte flipped, which only it fetches;
@@ -233,6 +235,28 @@ def main() -> None:
     report["keyerror"] = outcome(lambda: mixed.update(3))
     mixed._params = params
     report["keyerror_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
+
+    # worker 1's engine cannot list its parameters (its weights released, say), in the write alone
+    # (its second call; the step's walk is taken back on both), then from the prepare on (which
+    # falls back to the base, written in part on worker 0: both then hold no step); neither may
+    # leave worker 0 waiting in an exchange, or pair its exchanges with others
+    for case, fails_from in (("params_write", 2), ("params_prepare", 1)):
+        asked = [0]
+
+        def unlisted(fails_from: int = fails_from, asked: list[int] = asked) -> dict[str, torch.Tensor]:
+            asked[0] += 1
+            if rank == 1 and asked[0] >= fails_from:
+                raise RuntimeError("the engine's weights were released")
+            return params()
+
+        mixed._params = unlisted
+        before = {name: t.clone() for name, t in engine.state().items()}
+        report[case] = outcome(lambda: mixed.update(5))
+        report[case + "_untouched"] = all(torch.equal(before[k], t) for k, t in engine.state().items())
+        report[case + "_asked"] = asked[0]
+        report[case + "_held"] = mixed.held_step
+        mixed._params = params
+    report["params_then"] = [outcome(lambda: mixed.update(4))[0], mixed.held_step, outcome(mixed.verify)[0]]
 
     write_slice, walk_whole, oom_calls = TorchPath.write_slice, WholeWriter.walk, [0, 0]
 

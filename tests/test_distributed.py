@@ -233,6 +233,15 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
             assert f"worker 1 of the group: {kind}" in report[case][2], (case, report[case])
     for report in reports:
         assert report["keyerror_then"] == ["ok", 4, "ok"]
+        # worker 1's parameters could not be listed, in a write, then from a prepare on: both raise
+        # its error; the walk is taken back (both still hold step 4), the base written in part
+        # (both hold no step); then both go on
+        for case in ("params_write", "params_prepare"):
+            assert report[case][0] == "DeltaError", (case, report[case])
+            assert "worker 1 of the group: RuntimeError: the engine's weights were released" in report[case][2]
+        assert report["params_write_untouched"] and report["params_write_held"] == 4
+        assert report["params_prepare_held"] is None
+        assert report["params_then"] == ["ok", 4, "ok"]
         # written in part on rank 0, not at all on rank 1: both hold no step, and re-sync from a base
         assert (
             report["oom_write"][0] == "DeltaError"
@@ -246,6 +255,7 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
         # rank 1's prefetcher met a store error: both prefetchers stop on it, and the update fetches again
         assert report["prefetch"][0] == "ok" and report["prefetch_then"] == [8, "ok", 0], report["prefetch"]
         assert report["verify_prefetching"] == ["ok"] * 20  # the check stops the prefetcher first
+    assert reports[1]["params_prepare_asked"] >= 1 and reports[1]["params_write_asked"] >= 2
     assert reports[0]["oom_calls"] == [0, 0] and reports[1]["oom_calls"][1] >= 1, reports[1]  # as it walked whole
 
 

@@ -29,7 +29,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -239,7 +239,7 @@ class EngineFollower:
         if held is not None and (cadence == FullCheck.EVERY_STEP or (cadence == FullCheck.BASE_STEPS and base_step)):
             self._check(held)  # a failure re-syncs from a base, which writes every element
         states, walked, whole, changed = route_and_verify(
-            self.plan, self._torch, self._walker, self.decisions, self._params(), step, chains, held, scattered, verify
+            self.plan, self._torch, self._walker, self.decisions, self._weights(), step, chains, held, scattered, verify
         )
         return states, chains, walked, whole, changed, fetched, share
 
@@ -260,7 +260,7 @@ class EngineFollower:
         started = time.perf_counter()
         if check and prepared.held is not None:
             self._check_changes(prepared)
-        params = self._params()
+        params = self._weights()
         reload = self._walk(prepared, params)  # taken back on every worker if any fails
         failure: Exception | None = None
         try:  # past the walk nothing is taken back: a failure anywhere means a re-sync everywhere
@@ -306,7 +306,7 @@ class EngineFollower:
             self._torch,
             self.plan,
             self.decisions,
-            self._params,
+            self._weights,
             prepared.chains,
             prepared.states,
             prepared.held,
@@ -336,6 +336,16 @@ class EngineFollower:
             log.warning("%s; re-syncing step %d from its base", err, prepared.step)
         prepared = self._prepare_step(prepared.step, verify=False)  # no step held: the write checks it
         return prepared, False, self.write(prepared)
+
+    def _weights(self) -> Mapping[str, Tensor]:
+        """The engine's parameters now.  Where listing them raises (weights released, say), a
+        mapping that raises that error at its first use: the worker then fails inside the group's
+        next exchange, as every failure does, where raising here would leave its peers waiting in
+        an exchange it never reaches (or pair theirs with its next one)."""
+        try:
+            return self._params()
+        except Exception as err:
+            return _Unlisted(err)
 
     def _walk(self, prepared: EngineStep, params: Mapping[str, Tensor]) -> bool:
         """Walk every walkable payload of a step in sync into the engine (`apply`): checked as they
@@ -387,7 +397,7 @@ class EngineFollower:
             raise
 
     def _check(self, held: list[RankState]) -> None:
-        checks.check_held(self._torch, self.plan, self.decisions, self._params, held)
+        checks.check_held(self._torch, self.plan, self.decisions, self._weights, held)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -436,3 +446,19 @@ class EngineFollower:
 
     def close(self) -> None:
         self._stop_prefetch()
+
+
+class _Unlisted(Mapping[str, Tensor]):
+    """The parameters of an engine that could not list them: every use raises why."""
+
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def __getitem__(self, name: str) -> Tensor:
+        raise self._error
+
+    def __iter__(self) -> Iterator[str]:
+        raise self._error
+
+    def __len__(self) -> int:
+        raise self._error
