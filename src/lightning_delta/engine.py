@@ -140,9 +140,7 @@ class EngineFollower:
             store.url, run, payload_views, view_map, owned, self.rank, self._walker, asked, self.group, self.device
         )
         """Which payloads are walked, in place or whole, and the kept copies of refused tensors."""
-        self._torch = TorchPath(
-            store.url, run, payload_views, view_map, owned, self.plan.kept, self.rank, self.group, self.device
-        )
+        self._torch = TorchPath(self.plan, self.rank, self.group)
         self._whole = WholeWriter(self.plan, self.decisions)
         self._held: list[RankState] | None = None
         self._generation = 0

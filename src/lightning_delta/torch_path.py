@@ -18,6 +18,7 @@ import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,10 @@ from .errors import ChecksumError, DeltaError, SnapshotNotFoundError
 from .group import Agreed
 from .patch import PayloadView, RankState
 from .replica import exchange_bytes
-from .viewmap import Box, ViewMap
+from .viewmap import Box
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 __all__ = ["PayloadPatch", "TorchPath", "chunk_size", "flat_bits"]
 
@@ -66,29 +70,16 @@ class PayloadPatch:
 
 class TorchPath:
     """One worker's torch reference over the engine's parameters (`params`, read at each call) and
-    the follower's kept copies of refused tensors (`kept`, shared with the follower, which fills
-    them in a base's write): decoding, partial checksums, the exponents of a CLASSED payload, and
-    writes, a payload slice at a time."""
+    `plan`'s kept copies of refused tensors (which the follower fills in a base's write): decoding,
+    partial checksums, the exponents of a CLASSED payload, and writes, a payload slice at a time."""
 
-    def __init__(
-        self,
-        url: str,
-        run: fmt.Run,
-        views: Sequence[Sequence[PayloadView]],
-        view_map: ViewMap,
-        owned: Mapping[str, Sequence[bool]],
-        kept: dict[int, Tensor],
-        rank: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> None:
-        self._url, self.run, self._views, self.map, self._owned, self._kept = url, run, views, view_map, owned, kept
-        self.rank, self.group, self.device = rank, group, device
-        self._names = [t.name for t in run.manifest.tensors]
-        self._shapes = [t.shape for t in run.manifest.tensors]
-        held = sum(b.numel for boxes in view_map.boxes.values() for b in boxes)
-        held += sum(t.numel for t in run.manifest.tensors if t.name not in view_map.boxes)
-        self._chunk = chunk_size(held, device)
+    def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None) -> None:
+        self._url, self.run, self._views, self.map = plan.url, plan.run, plan.views, plan.map
+        self._owned, self._kept, self._names, self._shapes = plan.owned, plan.kept, plan.names, plan.shapes
+        self.rank, self.group, self.device = rank, group, plan.device
+        held = sum(b.numel for boxes in plan.map.boxes.values() for b in boxes)
+        held += sum(t.numel for t in plan.run.manifest.tensors if t.name not in plan.map.boxes)
+        self._chunk = chunk_size(held, plan.device)
         self._warned_classed = False
 
     def patches(
