@@ -238,7 +238,7 @@ def test_a_rank_that_fails_in_any_collective_fails_every_rank_promptly_with_its_
         # (both hold no step); then both go on
         for case in ("params_write", "params_prepare"):
             assert report[case][0] == "DeltaError", (case, report[case])
-            assert "worker 1 of the group: RuntimeError: the engine's weights were released" in report[case][2]
+            assert report[case][2].startswith("worker 1 of the group: RuntimeError: the engine's weights were released")
         assert report["params_write_untouched"] and report["params_write_held"] == 4
         assert report["params_prepare_held"] is None
         assert report["params_then"] == ["ok", 4, "ok"]

@@ -14,6 +14,7 @@ device is device 0, not the rank's).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from .errors import DeltaError
 __all__ = ["exchange", "exchange_bytes", "group_device"]
 
 _OK, _FAILED = 0, 1
+_NAMED = re.compile(r"worker \d+ of the group: ")
 _HEAD = 128
 """int64 slots each rank broadcasts first: its status, its item count, the items' sizes and, where
 they fit after those, the items themselves.  Each broadcast is a round trip (about 0.1 ms under gloo
@@ -103,7 +105,9 @@ def exchange(
                 raise DeltaError(f"worker {me} of the group: {type(mine).__name__}: {mine}") from mine
         # a later failing rank too raises the first one's: every rank takes the same branch after
         cause = mine if isinstance(mine, BaseException) else None
-        raise errors.by_name(kind)(f"worker {src} of the group: {message}") from cause
+        if not _NAMED.match(message):  # else a worker passing on a group's earlier error: its origin
+            message = f"worker {src} of the group: {message}"
+        raise errors.by_name(kind)(message) from cause
     return received
 
 
