@@ -403,6 +403,32 @@ def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monk
     assert len(calls) == 2 and not held["w"].any() and not held["v"].any()
 
 
+def test_a_chunk_whose_write_fails_between_two_rows_is_taken_back_whole(monkeypatch):
+    """The same chunk, whose second row's write runs out of memory after its first row was
+    written: `apply`'s undo takes the first row back too, though the chunk was not counted."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 40]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    rows = [[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w", "v"), 0, "rank 0 payload 0")
+    held = {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+    written, index_add = [], torch.Tensor.index_add_
+
+    def second_fails(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        written.append(self.data_ptr())
+        if self is held["v"]:
+            raise torch.OutOfMemoryError("out of memory writing the second row")
+        return index_add(self, *args)
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", second_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        apply.apply(apply.TorchWalker(CPU), [payload], held.__getitem__, None)
+    assert written[:2] == [held["w"].data_ptr(), held["v"].data_ptr()]  # "w" was written, then taken back
+    assert not held["w"].any() and not held["v"].any()
+
+
 def test_a_walk_that_raises_outside_the_library_raises_a_delta_error_and_holds_no_step(store_url, monkeypatch):
     """Without a group, out of memory inside the torch walk reaches `write`'s caller (the vLLM
     backend catches `DeltaError`) as a `DeltaError` naming it; the step is taken back, the

@@ -9,8 +9,9 @@ parameter, or a block of a 2-D one: `sparse_walk.SEGMENT_FIELDS`) to where this 
 more and subtracts them, which restores every bit.  A malformed payload may raise only once its
 last chunk is decoded (`codec.iter_steps`), after earlier chunks were written: `undo` decodes only
 the chunks `apply` wrote, never the bad spot again; a chunk is written whole or not at all (every
-row's places, steps and sum are made before its first write); and every position is bounded by
-its row, so none is written outside what the table names.
+row's places, steps and sum are made before its first write, and `undo` takes back first the rows
+of a chunk whose write raised between two of them); and every position is bounded by its row, so
+none is written outside what the table names.
 """
 
 from __future__ import annotations
@@ -45,15 +46,19 @@ class TorchWalk:
         self._applied = 0  # the chunks the last `apply` wrote
         self._bounds: Tensor | None = None  # each row's first and last position, on the decoding device
         self._wrote: set[int] = set()
+        self._torn: list[tuple[int, Tensor, Tensor]] = []  # the rows written of a chunk not written whole
 
     def check(self) -> int:
         return self._run(0, None)
 
     def apply(self) -> int:
-        self._applied, self._wrote = 0, set()
+        self._applied, self._wrote, self._torn = 0, set(), []
         return self._run(1, None)
 
     def undo(self) -> None:
+        for param, places, steps in reversed(self._torn):  # a chunk `apply` wrote in part
+            self._targets[param].index_add_(0, places, -steps)
+        self._torn = []
         if self._applied:
             self._run(-1, self._applied)
             self._applied = 0
@@ -91,12 +96,15 @@ class TorchWalk:
                     moved += checksum_update(0, at.to(target.device), old, old + steps)
                 if sign:
                     writes.append((param, places, steps if sign > 0 else -steps))
-            # every row's places, steps and sum are made before the first write: a chunk is written whole or not at all
+            # every row's places, steps and sum are made before the first write, and the rows a write
+            # that raised left written are `undo`'s first: a chunk is written whole or not at all
             for param, places, steps in writes:
                 self._targets[param].index_add_(0, places, steps)  # int16 wraps: mod 2**16
                 self._wrote.add(param)
+                if sign > 0:
+                    self._torn.append((param, places, steps))
             if sign > 0:
-                self._applied = done + 1
+                self._applied, self._torn = done + 1, []
         return moved & _MASK64
 
     def _held(self, index: Tensor, step: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor, int, bool]]:
