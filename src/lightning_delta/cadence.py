@@ -4,19 +4,30 @@ Every poll of a remote store is a request, and a request's headers cost about as
 object (about 1.4 KB on S3 with SigV4).  A trainer commits at a steady rhythm, so a poller that
 slept until shortly before the next step is due, and polled every `poll` from there, finds each
 step about as soon as one polling all the time, with a few requests a step instead of one every
-`poll`.  The schedule is the chain's usual gap (the median of the recent ones) from where the
-recent arrivals put the next step: each recent arrival, a whole number of usual gaps on, is a
-place the next step may come; a step found late (already there at the first poll) does not delay
-the ones after it.  Waking at the earliest of those places finds each step as soon as it comes,
-but a trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then
-polled through the whole spread, every poll a request that finds nothing.  `late` wakes at a
-quantile of those places instead: about that share of steps is found at the first poll (late, by
-up to the spread), and the polls before the others shrink with it.  An older place earlier than
-half a gap before where the newest exact arrival (a step found just after a poll that missed it)
-puts the next step comes from before a pause (a trainer's warm-up) and is passed over; a step found
-at the first poll only says it came before, so it never anchors that cut (one late find would
-otherwise delay every step after it).  With two gaps only, the shorter one is the rhythm.  A
-backlog found at once (gaps of zero) turns the schedule off until the rhythm is steady again.
+`poll`.  The schedule is the chain's usual gap (the median of the recent ones) from where the recent
+arrivals put the next step: each recent arrival, a whole number of usual gaps on, is a place the
+next step may come; a step found late (already there at the first poll) does not delay the ones
+after it.  Waking at the earliest of those places finds each step as soon as it comes, but a
+trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then polled
+through the whole spread, every poll a request that finds nothing.  `late` wakes at a quantile of
+those places instead: about that share of steps is found at the first poll (late, by up to the
+spread), and the polls before the others shrink with it.  An older place earlier than half a gap
+before where the newest exact arrival (a step found just after a poll that missed it) puts the next
+step comes from before a pause (a trainer's warm-up) and is passed over; a step found at the first
+poll only says it came before, so it never anchors that cut (one late find would otherwise delay
+every step after it).  With two gaps only, the shorter one is the rhythm.  A backlog found at once
+(gaps of zero) turns the schedule off until the rhythm is steady again.  Without a rhythm the polls
+thin out as the wait goes on, each a sixteenth of the time since the newest arrival apart: a
+trainer's first steps come after a warm-up of unknown length, and a poll every `poll` through all
+of it is a request each, for a step then found at most a sixteenth of that wait late.
+
+A step found at the first poll came before it, by an unknown amount: a gap that ends (or starts)
+at one is the poller's own schedule, not the trainer's, and a rhythm learned from such gaps holds
+itself (a trainer's 2 s steps, found at the first poll 2.8 s apart after one long gap, stay 2.8 s
+apart, each found later than the one before).  So only gaps between exact arrivals (each found
+within `exact`'s bound of a miss) make the rhythm, and two steps in a row found at the first
+poll (the rhythm learned is off: a trainer's jitter, or a new pace) turn it off; without it the
+polls thin out as above, which finds steps exactly again.
 """
 
 from __future__ import annotations
@@ -29,14 +40,18 @@ __all__ = ["Cadence"]
 
 _STEADY = 3
 """Gaps before their median is the rhythm; with two, the shorter one, from the newest arrival."""
+_IDLE = 1 / 16
+"""Without a rhythm, the share of the time since the newest arrival a poller waits between polls."""
 
 
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 6) -> None:
+    def __init__(self, keep: int = 6, late: float = 0.0) -> None:
+        """`late` (0 to 1): the share of steps to find at the first poll (`wait`)."""
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
         self._exact: deque[bool] = deque(maxlen=keep + 1)
+        self._late = late
 
     def arrived(self, at: float, exact: bool = True) -> None:
         """A new step was found at `at` (seconds, monotonic); `exact`: just after a poll that did
@@ -44,19 +59,35 @@ class Cadence:
         self._arrivals.append(at)
         self._exact.append(exact)
 
-    def _gaps(self) -> list[float]:
-        return [b - a for a, b in itertools.pairwise(self._arrivals)]
+    def exact(self, now: float, missed_at: float | None, poll: float) -> bool:
+        """Whether a step found by a pass begun at `now` came at about `now`: its miss's answer
+        (`missed_at`) was just before, within two polls or an eighth of the time since the newest
+        arrival (twice a thinned poll's wait; with a rhythm, about an eighth of a gap), not across a
+        poller held up after its miss."""
+        if missed_at is None:
+            return False
+        since = now - self._arrivals[-1] if self._arrivals else 0.0
+        return now - missed_at <= max(2 * poll, since / 8)
 
-    def wait(self, now: float, poll: float, late: float = 0.0) -> float:
+    def _gaps(self, exact: bool = False) -> list[float]:
+        """The gaps between arrivals; `exact`: between exact ones only (the rhythm's), since one
+        with a step found at the first poll at either end is the poller's own schedule, not the
+        trainer's (and a listing's)."""
+        timed = zip(self._arrivals, self._exact, strict=True)
+        return [b - a for (a, exact_a), (b, exact_b) in itertools.pairwise(timed) if not exact or (exact_a and exact_b)]
+
+    def wait(self, now: float, poll: float) -> float:
         """Seconds until the next poll: `poll`, or longer while the next step is not yet due, less
-        one `poll` of margin.  Each recent arrival, a usual gap (the median) apart, puts the next
-        step somewhere; it is due at the earliest of those places, or with `late` (0 to 1) at that
-        quantile of them, so about that share of steps is found at the first poll.  A step found
-        late (it was there at the first poll) neither moves the earliest place later nor anchors
-        the cut of places from before a pause, so one late find is not carried over to every step."""
-        gaps = self._gaps()
-        if len(gaps) < 2 or min(gaps) <= 0:
-            return poll  # no rhythm yet, or a backlog found at once
+        one `poll` of margin (without a rhythm, a sixteenth of the time since the newest arrival).
+        Each recent arrival, a usual gap (the median of the exact ones) apart, puts the next step
+        somewhere; it is due at the earliest of those places, or with `late` at that quantile.  A
+        step found late (it was there at the first poll) neither moves the earliest place later nor
+        anchors the cut of places from before a pause, so one late find is not carried over to
+        every step."""
+        gaps = self._gaps(exact=True)
+        if len(gaps) < 2 or min(gaps) <= 0 or not any(list(self._exact)[-2:]):
+            # no rhythm yet, a backlog found at once, or two steps in a row found at the first poll
+            return max(poll, (now - self._arrivals[-1]) * _IDLE) if self._arrivals else poll
         newest = self._arrivals[-1]
         if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
             return max(poll, newest + min(gaps) - poll - now)
@@ -67,7 +98,7 @@ class Cadence:
         if anchor is not None:  # older places half a gap before the newest exact one's: from before a pause
             places = [p for i, p in enumerate(places) if i >= anchor or p >= places[anchor] - usual / 2]
         places.sort()
-        due = places[int(late * (len(places) - 1))]
+        due = places[int(self._late * (len(places) - 1))]
         return max(poll, due - poll - now)
 
     def overdue(self, now: float) -> bool:

@@ -10,20 +10,22 @@ step before it was copied: each step listed at the mirror loads.
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
 stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
-held until the marker checks it), then looks for the step after it, unless the one it copied had
-just come.  Until anything of a step is there, a pass asks for one rank's marker and blob only, then
-every rank's (with several ranks, one round trip more a step): a step not there yet costs two small
+held until the marker checks it), then looks for the step after it (a backlog), unless the one it
+copied had just come or the cadence says the next is not due yet (either look would be a 404).
+Until anything of a step is there, a pass asks for one rank's marker and blob only, then every
+rank's (with several ranks, one round trip more a step): a step not there yet costs two small
 requests (404s), not two per rank, where a listing pass costs three or more round trips one after
 another and grows with the chain.  The source is listed at the first pass, every `list_seconds`,
 when the next step is overdue (it may have another number), after a base (the source's retention
-deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly before
-the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a request
-every `poll_seconds` between them; a trainer whose steps jitter is polled through its spread, and
-`late_share` trades some steps found late for fewer of those polls.  Objects are created exclusively
-and only missing ones are written, so a mirror killed at any moment resumes where it stopped; an
-object already at the mirror must be identical.  Each source object is read once (a damaged one
-again until it heals).  A damaged source object is never copied: the mirror stops at its step, says
-which object, and goes on once the source heals, or from a newer base that does not need it.
+deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly
+before the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a
+request every `poll_seconds` between them; a trainer whose steps jitter is polled through its
+spread, and `late_share` trades some steps found late for fewer of those polls.  Objects are
+created exclusively and only missing ones are written, so a mirror killed at any moment resumes
+where it stopped; an object already at the mirror must be identical.  Each source object is read
+once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
+stops at its step, says which object, and goes on once the source heals, or from a newer base that
+does not need it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -78,8 +80,8 @@ class MirrorSettings:
     instead of polling every `poll_seconds` in between: a few requests a step, not one a poll."""
     late_share: float = 0.25
     """Paced, the share of steps found at the first poll after a sleep, late by up to the trainer's
-    jitter (`Cadence.wait`'s `late`): 0 wakes at the earliest time the recent steps put the next one
-    at and polls through all of the jitter, each poll that finds nothing a request (two with
+    jitter (`Cadence`'s `late`): 0 wakes at the earliest time the recent steps put the next one at
+    and polls through all of the jitter, each poll that finds nothing a request (two with
     `read_ahead`, ~3 KB on S3); more wakes later, with fewer of them."""
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
@@ -216,7 +218,7 @@ class Mirror:
         self._stopped: _Stop | None = None  # why the last pass stopped, if it did
         self._listed_at: float | None = None  # when the source was last listed (None: list next)
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
-        self._cadence = Cadence()
+        self._cadence = Cadence(late=self.settings.late_share)
         self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
         self._largest: dict[int, int] = {}  # rank -> its largest delta seen: what a blob read ahead may be
         self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
@@ -247,8 +249,8 @@ class Mirror:
         stop = stop or threading.Event()
         while not stop.is_set():
             yield self.sync()
-            poll, late = self.settings.poll_seconds, self.settings.late_share
-            stop.wait(self._cadence.wait(time.monotonic(), poll, late) if self.settings.paced else poll)
+            poll = self.settings.poll_seconds
+            stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
 
     def sync(self) -> MirrorMetrics:
         """One pass: copy what the source holds and the mirror does not, then apply retention
@@ -291,15 +293,15 @@ class Mirror:
             self._known.add(step)
             self._seen.setdefault(step, time.monotonic())
             stopped, base = self._copy([step], {step: parts}, {step}, world)
-            mirrored_base, copied = mirrored_base or base, copied or step in self._done
-            if step not in self._done or fresh:  # a step that just came: the next is not there yet
+            mirrored_base = mirrored_base or base
+            if step not in self._done:
                 break
-        if copied:  # the pass's start: nearer the commit than its end, after the step's bytes
-            # exact: it came since a miss just before (two polls, or a tenth of a gap), not across a
-            # mirror held up after its miss
-            usual = self._cadence.usual_gap() or 0.0
-            exact = missed_at is not None and now - missed_at <= max(2 * self.settings.poll_seconds, usual / 10)
-            self._cadence.arrived(now, exact=exact)
+            if not copied:  # the pass's start: nearer the commit than its end, after the step's bytes
+                copied = True
+                poll = self.settings.poll_seconds
+                self._cadence.arrived(now, exact=self._cadence.exact(now, missed_at, poll))
+            if fresh or self._cadence.wait(time.monotonic(), self.settings.poll_seconds) > self.settings.poll_seconds:
+                break  # a step that just came, or the next not due yet (a look now would be a 404)
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
             return
