@@ -4,6 +4,7 @@ refusals, damage at the source, mirrors of mirrors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -225,10 +226,10 @@ def test_a_following_mirror_finds_steps_by_their_names_and_lists_the_source_only
 
 
 def test_a_step_found_after_a_miss_is_exact_only_if_the_miss_was_just_before(monkeypatch):
-    """A step the mirror found just after a pass that missed it (two polls, or a tenth of the usual
-    gap) came about then: it anchors the cadence.  One found after the mirror was held up since its
-    miss (a slow request, a stall) may have come any time in between, like a step found at the
-    first poll."""
+    """A step the mirror found just after a pass that missed it (two polls, or twice a thinned
+    poll's wait: an eighth of the time since the newest step) came about then: it anchors the
+    cadence.  One found after the mirror was held up since its miss (a slow request, a stall) may
+    have come any time in between, like a step found at the first poll."""
     clock, told = [0.0], []
 
     class Told(Cadence):
@@ -254,30 +255,81 @@ def test_a_step_found_after_a_miss_is_exact_only_if_the_miss_was_just_before(mon
         assert mirror.sync().mirror_step == 4 and told == [False, True, False]
 
 
-def test_a_step_found_at_the_first_poll_costs_no_look_for_the_next_one_before_it_is_due(monkeypatch):
-    """A step there at the first poll may be one of a backlog, so the pass looks for the one after
-    it; but when the cadence says the next is not due yet, that look is a 404 at every step."""
+class _Trainer:
+    """The stop event of a following mirror (`Mirror.follow`) on a fake clock: each wait moves the
+    clock on and publishes the steps committed by then (`commits`, step 1 first), each blob visible
+    `blob_after` seconds after its marker (a replicated bucket); it stops once the mirror holds the
+    last step.  `found[step]`: the clock when the mirror first held it; `waits`: every wait."""
+
+    def __init__(self, clock: list[float], publish, watched: Recording, commits: list[float], blob_after=0.0):
+        self.clock, self.publish, self.watched, self.commits = clock, publish, watched, commits
+        self.blob_after, self.found, self.waits = blob_after, {}, []
+        self.published = 0
+
+    def is_set(self) -> bool:
+        return len(self.found) == len(self.commits)
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.clock[0] += seconds
+        while self.published < len(self.commits) and self.commits[self.published] <= self.clock[0]:
+            self.published += 1
+            self.publish(self.published)
+            if self.commits[self.published - 1] + self.blob_after > self.clock[0]:
+                self.watched.hidden.add(fmt.blob_path(self.published, 0, 1))
+        for step in range(1, self.published + 1):
+            if self.commits[step - 1] + self.blob_after <= self.clock[0]:
+                self.watched.hidden.discard(fmt.blob_path(step, 0, 1))
+        return self.is_set()
+
+    def follow(self, mirror: Mirror) -> dict[int, float]:
+        """How late the mirror held each step, after its commit (and its blob's)."""
+        for metrics in mirror.follow(self):  # type: ignore[arg-type]
+            for step in range(1, (metrics.mirror_step or 0) + 1):
+                self.found.setdefault(step, self.clock[0])
+        return {s: at - self.commits[s - 1] - self.blob_after for s, at in self.found.items()}
+
+
+def _paced(monkeypatch, commits: list[float], blob_after: float = 0.0) -> tuple[dict[int, float], _Trainer, Recording]:
     clock = [0.0]
     monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
     with _following() as (publish, mirror, watched, truth):
-        publish(1)
-        clock[0] = 10.0
-        assert mirror.sync().mirror_step == 1  # a listing
-        for step in range(2, 6):  # a 10 s rhythm, each step found just after a miss
-            clock[0] = 10.0 * step - 0.5
-            assert mirror.sync().mirror_step == step - 1
-            publish(step)
-            clock[0] += 0.5
-            assert mirror.sync().mirror_step == step
-        publish(6)
-        clock[0] = 62.0  # woken late: 6 is there at the first poll
-        assert mirror.sync().mirror_step == 6
-        assert watched.misses[fmt.commit_path(7, 0, 1)] == 0  # due at about 70: not looked for
-        publish(7)
-        publish(8)
-        clock[0] = 79.0  # held up past 7 and 8 (not yet overdue): a backlog, found in one pass
-        assert mirror.sync().mirror_step == 8 and mirror.metrics.listings == 1
-    assert_loads(mirror.destination, truth, list(range(1, 9)))
+        mirror.settings = dataclasses.replace(mirror.settings, poll_seconds=0.05, list_seconds=1e9)
+        trainer = _Trainer(clock, publish, watched, commits, blob_after)
+        late = trainer.follow(mirror)
+        assert_loads(mirror.destination, truth, list(range(1, len(commits) + 1)))
+    return late, trainer, watched
+
+
+def test_a_paced_mirror_follows_a_trainer_that_speeds_up_at_its_new_pace(monkeypatch):
+    """A step there at the first poll may be one of a backlog: the pass looks on and copies every
+    step there, and two such finds in a row forget the rhythm learned (10 s here), so that the
+    mirror does not sleep through the trainer's new 2 s steps (they were found up to 24 s late)."""
+    commits = [10.0 * s for s in range(1, 9)] + [80.0 + 2.0 * s for s in range(1, 31)]
+    late, _, _ = _paced(monkeypatch, commits)
+    assert max(late[s] for s in range(14, 39)) <= 1.0, late  # a few steps after the change of pace
+
+
+def test_a_paced_mirror_keeps_its_rhythm_on_a_source_whose_blobs_land_after_their_markers(monkeypatch):
+    """A step whose marker is there and blob not yet is a miss: the pass that then finds it whole
+    found it as it came, so the rhythm holds (each find counted as at the first poll, it never
+    did, and the mirror polled every `poll` through every step: 5.8x the requests)."""
+    commits = [2.0 * s for s in range(1, 41)]
+    late, _, watched = _paced(monkeypatch, commits, blob_after=0.3)
+    assert max(late[s] for s in range(8, 41)) <= 0.5, late
+    asked = sum(watched.reads.values()) + sum(watched.misses.values())
+    assert asked <= 14 * len(commits), asked
+
+
+def test_a_paced_mirror_without_a_rhythm_polls_at_least_every_few_seconds(monkeypatch):
+    """Polls thin out as a pause goes on, to `mirror._IDLE_MOST` apart at most: the first step
+    after an hour's pause is found within that (it was 54 s late), and a paused trainer's heartbeat
+    is relayed as often."""
+    commits = [0.0, 1.0, 3601.0, 3603.0, 3605.0]
+    late, trainer, _ = _paced(monkeypatch, commits)
+    assert max(trainer.waits) <= mirror_module._IDLE_MOST
+    assert late[3] <= mirror_module._IDLE_MOST
+    assert len(trainer.waits) < 3600 / mirror_module._IDLE_MOST * 2  # not a poll every 0.05 s
 
 
 def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):

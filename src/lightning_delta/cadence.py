@@ -26,8 +26,9 @@ at one is the poller's own schedule, not the trainer's, and a rhythm learned fro
 itself (a trainer's 2 s steps, found at the first poll 2.8 s apart after one long gap, stay 2.8 s
 apart, each found later than the one before).  So only gaps between exact arrivals (each found
 within `exact`'s bound of a miss) make the rhythm, and two steps in a row found at the first
-poll (the rhythm learned is off: a trainer's jitter, or a new pace) turn it off; without it the
-polls thin out as above, which finds steps exactly again.
+poll (the rhythm learned is off: a trainer's jitter, or a new pace) turn it off and forget the
+arrivals before them; without it the polls thin out as above (to `idle_most` apart at most), which
+finds steps exactly again.
 """
 
 from __future__ import annotations
@@ -47,15 +48,27 @@ _IDLE = 1 / 16
 class Cadence:
     """Arrival times of a chain's newest steps, and what they say about the next one."""
 
-    def __init__(self, keep: int = 6, late: float = 0.0) -> None:
-        """`late` (0 to 1): the share of steps to find at the first poll (`wait`)."""
+    def __init__(self, keep: int = 6, late: float = 0.0, idle_most: float = float("inf")) -> None:
+        """`late` (0 to 1): the share of steps to find at the first poll (`wait`); `idle_most`: the
+        longest wait without a rhythm (the thinned polls), so that a step after a long pause, and
+        what a poller does at each poll besides (a mirror relays the trainer's heartbeat), is at
+        most that late."""
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
         self._exact: deque[bool] = deque(maxlen=keep + 1)
-        self._late = late
+        self._late, self._idle_most = late, idle_most
 
     def arrived(self, at: float, exact: bool = True) -> None:
         """A new step was found at `at` (seconds, monotonic); `exact`: just after a poll that did
-        not find it (it came at about `at`), not at the first poll (it came at `at` or before)."""
+        not find it (it came at about `at`), not at the first poll (it came at `at` or before).
+        Two found at the first poll in a row say the rhythm learned is off (a trainer that sped
+        up, or a backlog): the arrivals before are forgotten, so that the next exact find does not
+        bring the old rhythm back."""
+        if not exact and self._exact and not self._exact[-1]:
+            newest = self._arrivals[-1]
+            self._arrivals.clear()
+            self._exact.clear()
+            self._arrivals.append(newest)
+            self._exact.append(False)
         self._arrivals.append(at)
         self._exact.append(exact)
 
@@ -67,7 +80,7 @@ class Cadence:
         if missed_at is None:
             return False
         since = now - self._arrivals[-1] if self._arrivals else 0.0
-        return now - missed_at <= max(2 * poll, since / 8)
+        return now - missed_at <= max(2 * poll, min(since / 8, 2 * self._idle_most))
 
     def _gaps(self, exact: bool = False) -> list[float]:
         """The gaps between arrivals; `exact`: between exact ones only (the rhythm's), since one
@@ -87,7 +100,7 @@ class Cadence:
         gaps = self._gaps(exact=True)
         if len(gaps) < 2 or min(gaps) <= 0 or not any(list(self._exact)[-2:]):
             # no rhythm yet, a backlog found at once, or two steps in a row found at the first poll
-            return max(poll, (now - self._arrivals[-1]) * _IDLE) if self._arrivals else poll
+            return max(poll, min((now - self._arrivals[-1]) * _IDLE, self._idle_most)) if self._arrivals else poll
         newest = self._arrivals[-1]
         if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
             return max(poll, newest + min(gaps) - poll - now)

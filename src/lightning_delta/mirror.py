@@ -11,7 +11,7 @@ Object names are predictable (docs/FORMAT.md), so a following mirror mostly list
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
 stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
 held until the marker checks it), then looks for the step after it (a backlog), unless the one it
-copied had just come or the cadence says the next is not due yet (either look would be a 404).
+copied had just come (found just after a pass that missed it: the look would be a 404).
 Until anything of a step is there, a pass asks for one rank's marker and blob only, then every
 rank's (with several ranks, one round trip more a step): a step not there yet costs two small
 requests (404s), not two per rank, where a listing pass costs three or more round trips one after
@@ -54,6 +54,11 @@ from .store import Store, as_store
 __all__ = ["RUN_OBJECTS", "Mirror", "MirrorMetrics", "MirrorSettings"]
 
 log = logging.getLogger(__name__)
+
+_IDLE_MOST = 5.0
+"""The longest a following mirror waits between polls while the trainer keeps no rhythm (a pause,
+a warm-up): a step after the pause is found at most that late, and a paused trainer's heartbeat
+(rewritten every 10 s by default) is relayed at least that often."""
 
 RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
 """The run-level objects a mirror copies before any step, the manifest first (it says whose run a
@@ -218,10 +223,11 @@ class Mirror:
         self._stopped: _Stop | None = None  # why the last pass stopped, if it did
         self._listed_at: float | None = None  # when the source was last listed (None: list next)
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
-        self._cadence = Cadence(late=self.settings.late_share)
+        self._cadence = Cadence(late=self.settings.late_share, idle_most=_IDLE_MOST)
         self._ahead: dict[_Part, tuple[bytes, int]] = {}  # blobs read with their markers (and the bound), unchecked
         self._largest: dict[int, int] = {}  # rank -> its largest delta seen: what a blob read ahead may be
         self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
+        self._missed_none = False  # and found nothing of it (not a step partly there)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
 
     def __repr__(self) -> str:
@@ -276,16 +282,21 @@ class Mirror:
     def _probe(self, world: int, now: float) -> None:
         """A pass by names (begun at `now`): the step expected next, and the ones after it while
         they are there."""
-        mirrored_base = copied = False
+        mirrored_base = copied = backlog = False
         stopped = None
         missed_at, self._missed_at = self._missed_at, None
-        fresh = missed_at is not None  # the last pass missed it: a step found now just came
+        exact = self._cadence.exact(now, missed_at, self.settings.poll_seconds)  # it came at about `now`
+        # just after a pass that found nothing of it (not across a long wait): the next step is not
+        # there yet; else the step may be one of a backlog (or of a source filling out of order), and
+        # the pass looks on
+        fresh, self._missed_none = exact and self._missed_none, False
         while stopped is None:
             newest = max(self._done, default=None)
             step = (newest if newest is not None else -self._stride) + self._stride
             parts = self._parts_named(step, world, newest)
             if parts is None:  # not committed yet (or damaged: the overdue listing will say)
                 self._missed_at = None if copied else time.monotonic()
+                self._missed_none = not copied
                 break
             if not parts:  # a delta from a step the mirror does not hold: the guess passed one over
                 self._listed_at = None  # the next pass lists (the stride changed)
@@ -294,14 +305,17 @@ class Mirror:
             self._seen.setdefault(step, time.monotonic())
             stopped, base = self._copy([step], {step: parts}, {step}, world)
             mirrored_base = mirrored_base or base
-            if step not in self._done:
+            if step not in self._done:  # not all there yet (a source filling out of order): a miss
+                self._missed_at = time.monotonic()
                 break
             if not copied:  # the pass's start: nearer the commit than its end, after the step's bytes
-                copied = True
-                poll = self.settings.poll_seconds
-                self._cadence.arrived(now, exact=self._cadence.exact(now, missed_at, poll))
-            if fresh or self._cadence.wait(time.monotonic(), self.settings.poll_seconds) > self.settings.poll_seconds:
-                break  # a step that just came, or the next not due yet (a look now would be a 404)
+                self._cadence.arrived(now, exact=exact)
+            elif not backlog:  # a second step in one pass: the rhythm learned is too slow
+                self._cadence.arrived(now, exact=False)
+                backlog = True
+            copied = True
+            if fresh:
+                break  # a step that just came: a look for the next now would be a 404
         if mirrored_base and self.settings.keep_bases is None:  # the source's retention deletes at
             self._list(world, time.monotonic())  # a base: a listing finds what it deleted
             return
