@@ -684,6 +684,34 @@ def test_a_step_verified_ahead_with_a_payload_shipped_whole_is_written_after_its
     assert live.held_step == 3 and exact(engine, truth[3]) and torch.equal(engine.rope, truth[3]["layer.rope"])
 
 
+@pytest.mark.parametrize("walk", BACKENDS)
+def test_a_kept_copy_a_walk_changes_is_reloaded_into_the_engine_and_one_it_leaves_is_not(store_url, walk, monkeypatch):
+    """The rope (its engine's loader computes it: the follower keeps a copy and reloads it) changes
+    by one element in step 2 and not at all in step 3, walked each time: the engine's rope is the
+    step's after each, and only the step that changed it reloads it (a walk reports the kept copies
+    it wrote)."""
+    apply = backend(walk, monkeypatch)
+    state, truth = checkpoint(), {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in (1, 2, 3):
+            state["layer.q"].view(torch.int16).view(-1)[step::11] += 1
+            if step == 2:
+                state["layer.rope"].view(torch.int16)[1] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = Engine()
+    reloaded = []
+    load = engine.load_weights
+    live = follower(store_url, engine, apply)
+    live.update(1)
+    monkeypatch.setattr(engine, "load_weights", lambda name, t: (reloaded.append(name), load(name, t)))
+    for step in (2, 3):
+        prepared, _, _ = live.update(step)
+        assert prepared.report.kind == fmt.Kind.DELTA and exact(engine, truth[step])
+        assert torch.equal(engine.rope, truth[step]["layer.rope"]), step
+    assert reloaded == ["layer.rope"]
+
+
 def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
     """`forget` (a probe found the engine computing what its weights do not say): the follower holds
     no step, a step it prefetched is dropped, and the next update writes every element, from a base,
