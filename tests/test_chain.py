@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -12,6 +13,7 @@ from conftest import HookedObjects, assert_state, bf16_state, published_run, rep
 from forge import MESSAGE, forge_value
 from lightning_delta import (
     Backlog,
+    ChainError,
     ChecksumError,
     DeltaLoader,
     DeltaPublisher,
@@ -27,9 +29,11 @@ from lightning_delta import (
     codec,
 )
 from lightning_delta import format as fmt
+from lightning_delta import patch as patches
 from lightning_delta.codec import CodecOptions, Context
 from lightning_delta.publisher import PublisherSettings, step_metrics
 from lightning_delta.shards import named_tensors
+from lightning_delta.sinks import HeldCopies
 from tinylm import TinyLM
 
 
@@ -535,3 +539,89 @@ def test_the_first_of_two_upload_failures_is_the_one_raised(store_url):
     with pytest.raises(PublishError, match="first failure"):
         pub.flush()
     pub.close()
+
+
+# ------------------------------------------------------------------ patch.py's contract, directly
+
+
+def _two_tensor_run(store_url: str, steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Two small bf16 tensors, published as one payload of two slices (base at 1, deltas after),
+    each step with a probe of its number; the true bits per step."""
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(40).bfloat16(), "b": torch.randn(3, 8).bfloat16()}
+    truth = {}
+    with DeltaPublisher(store_url, tensors, PublisherSettings(base_every=10)) as pub:
+        for step in range(1, steps + 1):
+            if step > 1:
+                for t in tensors.values():
+                    t.view(-1)[step % 3 :: 5] += 0.25  # a few elements of each slice, some exponents
+            pub.publish(step, probe=torch.full((2,), float(step)))
+            truth[step] = {k: v.clone() for k, v in tensors.items()}
+    return truth
+
+
+def test_decoded_patches_carry_the_checksums_a_peer_verifies_them_by(store_url):
+    """A replica's workers check each other's patches (`patch.verify_against`) by the checksum each
+    patch carries: a base, a composed chain of deltas and the empty patch of the step held all
+    verify against the held state, rebuild the truth, and a patch claiming another checksum is
+    refused.  The payload holds two tensors, so each patch crosses from one slice to the next."""
+    truth = _two_tensor_run(store_url, 3)
+    store = Store(store_url)
+    run = store.run()
+    assert [len(slices) for slices in run.manifest.ranks[0]] == [2]
+    cpu = torch.device("cpu")
+    parts = [store.read_part(step, 0, 1) for step in (1, 2, 3)]
+    sink = HeldCopies(run, cpu)
+    base = patches.decode_rank(run, 0, parts[:1], None, None, cpu, "here", True)
+    patches.verify_against(run, 0, base, None, None)
+    patches.apply(run, 0, base, sink)
+    assert_state(sink.tensors(), truth[1])
+    from_base = patches.decode_rank(run, 0, parts, None, None, cpu, "here", True)  # whole, then two deltas
+    patches.verify_against(run, 0, from_base, None, None)
+    one = patches.decode_rank(run, 0, parts[1:2], base.state, sink, cpu, "here", False)
+    patches.verify_against(run, 0, one, base.state, sink)
+    delta = patches.decode_rank(run, 0, parts[1:], base.state, sink, cpu, "here", False)  # two deltas composed
+    assert delta.state.probe == (3.0, 3.0) and delta.state.header.step == 3 and not delta.base_step
+    patches.verify_against(run, 0, delta, base.state, sink)
+    claimed = dataclasses.replace(delta.payloads[0], checksum=delta.payloads[0].checksum ^ 1)
+    with pytest.raises(ChecksumError, match=r"^rank 0 payload 0: the patch another worker decoded does not"):
+        patches.verify_against(run, 0, dataclasses.replace(delta, payloads=(claimed,)), base.state, sink)
+    patches.apply(run, 0, delta, sink)
+    assert_state(sink.tensors(), truth[3])
+    held = patches.decode_rank(run, 0, [], delta.state, sink, cpu, "here", True)  # the step held already
+    assert held.state == delta.state and held.base_step and held.payloads[0].changed == 0
+    patches.verify_against(run, 0, held, delta.state, sink)
+    patches.apply(run, 0, held, sink)
+    assert_state(sink.tensors(), truth[3])
+
+
+def test_a_chain_that_misses_the_step_held_or_a_payload_that_disagrees_is_refused_with_where(store_url):
+    """`decode_rank`'s refusals, each naming where: a delta that does not follow the step held (or
+    with no state held), a payload that does not decode, one that changes another count than its
+    header says, and one a forged value makes miss the trainer's checksum (naming its tensors)."""
+    _two_tensor_run(store_url, 3)
+    store = Store(store_url)
+    run = store.run()
+    cpu = torch.device("cpu")
+    parts = [store.read_part(step, 0, 1) for step in (1, 2, 3)]
+    sink = HeldCopies(run, cpu)
+    base = patches.decode_rank(run, 0, parts[:1], None, None, cpu, "here", True)
+    patches.apply(run, 0, base, sink)
+    chain = r"^here: the chain does not reach a base or the step held$"
+    with pytest.raises(ChainError, match=chain):
+        patches.decode_rank(run, 0, parts[2:], base.state, sink, cpu, "here", False)  # 3 from 1
+    with pytest.raises(ChainError, match=chain):
+        patches.decode_rank(run, 0, parts[1:], None, sink, cpu, "here", False)
+    with pytest.raises(ChainError, match=chain):
+        patches.decode_rank(run, 0, parts[1:], base.state, None, cpu, "here", False)
+    cut = dataclasses.replace(parts[1], payloads=(parts[1].payloads[0][:8],))
+    with pytest.raises(FormatError, match=r"^here step 2: payload 0: "):
+        patches.decode_rank(run, 0, [cut], base.state, sink, cpu, "here", False)
+    entry = parts[1].entries[0]
+    miscounted = dataclasses.replace(parts[1], entries=(dataclasses.replace(entry, changed=entry.changed + 1),))
+    with pytest.raises(FormatError, match=rf"^here step 2: payload 0 changes {entry.changed} elements, header says"):
+        patches.decode_rank(run, 0, [miscounted], base.state, sink, cpu, "here", False)
+    forge_value(store, 2)
+    forged = store.read_part(2, 0, 1)
+    with pytest.raises(ChecksumError, match=rf"^here step 2: payload 0 \(a, b\) {MESSAGE}$"):
+        patches.decode_rank(run, 0, [forged], base.state, sink, cpu, "here", False)

@@ -638,6 +638,80 @@ def test_a_weight_changed_after_a_step_was_verified_ahead_is_caught_before_the_w
     assert exact(engine, truth[3])
 
 
+@pytest.mark.parametrize("ahead", [1, 2], ids=["one_delta", "two_deltas"])
+def test_a_step_verified_ahead_and_untouched_since_is_written_after_its_check(store_url, ahead, monkeypatch):
+    """The twin of the test above: nothing changed since the step was verified, so the check of its
+    changes against the weights they are written over (a partial sum over the changes, summed
+    with the other workers') agrees, and the step is written exact, one delta ahead (decoded 64
+    changes at a time: the partial sums of its chunks add up) or two composed; a weight no change
+    touches may differ (the next full check's, not this one's)."""
+    monkeypatch.setattr(torch_path, "_CHUNK", 64)
+    monkeypatch.setattr(torch_path, "_CHUNK_PER_ELEMENT", 0)
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(2 + ahead)
+    assert not prepared.walked and prepared.held is not None
+    q2, qn = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 2 + ahead))
+    untouched = int((q2 == qn).nonzero()[0])
+    engine.qkv.data.view(torch.int16).view(-1)[untouched] ^= 1
+    live.write(prepared, check=True)
+    assert live.held_step == 2 + ahead
+    engine.qkv.data.view(torch.int16).view(-1)[untouched] ^= 1
+    assert exact(engine, truth[2 + ahead])
+
+
+def test_a_step_verified_ahead_with_a_payload_shipped_whole_is_written_after_its_check(store_url, monkeypatch):
+    """The check of a step verified ahead skips the payloads shipped whole (their own checksum
+    verified them, and they replace every element) and those walked (checked as they are written):
+    a step of both, every tensor a payload of its own and the rope's whole, is written exact."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    state, truth = checkpoint(), {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in (1, 2, 3):
+            if step > 1:
+                state["layer.q"].view(torch.int16).view(-1)[:: 7 * step] += 1
+                state["layer.rope"].view(torch.int16).add_(1)
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert prepared.walked and (0, 4) not in prepared.walked  # the rope's, shipped whole
+    live.write(prepared, check=True)
+    assert live.held_step == 3 and exact(engine, truth[3]) and torch.equal(engine.rope, truth[3]["layer.rope"])
+
+
+@pytest.mark.parametrize("walk", BACKENDS)
+def test_a_kept_copy_a_walk_changes_is_reloaded_into_the_engine_and_one_it_leaves_is_not(store_url, walk, monkeypatch):
+    """The rope (its engine's loader computes it: the follower keeps a copy and reloads it) changes
+    by one element in step 2 and not at all in step 3, walked each time: the engine's rope is the
+    step's after each, and only the step that changed it reloads it (a walk reports the kept copies
+    it wrote)."""
+    apply = backend(walk, monkeypatch)
+    state, truth = checkpoint(), {}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        for step in (1, 2, 3):
+            state["layer.q"].view(torch.int16).view(-1)[step::11] += 1
+            if step == 2:
+                state["layer.rope"].view(torch.int16)[1] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = Engine()
+    reloaded = []
+    load = engine.load_weights
+    live = follower(store_url, engine, apply)
+    live.update(1)
+    monkeypatch.setattr(engine, "load_weights", lambda name, t: (reloaded.append(name), load(name, t)))
+    for step in (2, 3):
+        prepared, _, _ = live.update(step)
+        assert prepared.report.kind == fmt.Kind.DELTA and exact(engine, truth[step])
+        assert torch.equal(engine.rope, truth[step]["layer.rope"]), step
+    assert reloaded == ["layer.rope"]
+
+
 def test_a_follower_told_to_forget_writes_the_next_step_whole(store_url):
     """`forget` (a probe found the engine computing what its weights do not say): the follower holds
     no step, a step it prefetched is dropped, and the next update writes every element, from a base,
