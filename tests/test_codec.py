@@ -454,22 +454,61 @@ def test_a_payload_decodes_the_same_in_chunks_of_any_size(pair, options, chunk):
     assert bitwise_equal(rebuilt.view(new.dtype), new)
 
 
+def _structure(payload: bytes) -> set[int]:
+    """The positions of a SPARSE or CLASSED payload's fields: its header, class table and each
+    section's compressor and stored length (the rest is the sections' stored bytes)."""
+    view = memoryview(payload)
+    pos = 8
+    for _ in range(3):  # n, m, k
+        _, pos = wire._read_varint(view, pos)
+    if view[4] == Mode.CLASSED:
+        count, pos = wire._read_varint(view, pos)
+        for _ in range(count):  # an exponent byte, its members and its changes
+            _, pos = wire._read_varint(view, pos + 1)
+            _, pos = wire._read_varint(view, pos)
+    fields = set(range(pos))
+    while pos < len(view):
+        start, (stored, end) = pos, wire._read_varint(view, pos + 1)
+        fields |= set(range(start, end))
+        pos = end + stored
+    return fields
+
+
+def _check_chunks_refuse(payload: bytes, old: torch.Tensor, chunks: tuple[int, ...]) -> None:
+    whole = _pieces(payload, old, None)
+    for chunk in chunks:
+        pieces = _pieces(payload, old, chunk)
+        assert isinstance(pieces, FormatError) == isinstance(whole, FormatError), chunk
+        if isinstance(whole, codec.Steps) and isinstance(pieces, codec.Steps) and whole.whole is None:
+            assert torch.equal(pieces.index, whole.index) and torch.equal(pieces.step, whole.step)
+
+
 @pytest.mark.parametrize("options", HOSTILE, ids=_hostile_id)
 def test_chunks_refuse_exactly_the_damaged_payloads_one_piece_refuses(options):
-    """Every flipped bit of a payload: decoded in chunks of 8 or 64 changes, it is refused exactly
-    when one piece is (by the time the last chunk is due), and otherwise decodes the same."""
+    """Every byte of a payload flipped: decoded in chunks of 8 or 64 changes, it is refused exactly
+    when one piece is (by the time the last chunk is due), and otherwise decodes the same.  Each
+    field (header, class table, a section's compressor and length) with three masks; each byte of
+    a section's stored bits with one of them in turn, so that every section meets all three (the
+    bytes of a bit stream are alike; the next test flips any bit at random)."""
     old, _, payload = _hostile_sample(options)
-    damaged = bytearray(payload)
+    fields, damaged = _structure(payload), bytearray(payload)
     for pos in range(len(payload)):
-        for mask in (0x01, 0x10, 0x80):
+        for mask in (0x01, 0x10, 0x80) if pos in fields else ((0x01, 0x10, 0x80)[pos % 3],):
             damaged[pos] ^= mask
-            whole = _pieces(bytes(damaged), old, None)
-            for chunk in (8, 64):
-                pieces = _pieces(bytes(damaged), old, chunk)
-                assert isinstance(pieces, FormatError) == isinstance(whole, FormatError), (pos, mask, chunk)
-                if isinstance(whole, codec.Steps) and isinstance(pieces, codec.Steps) and whole.whole is None:
-                    assert torch.equal(pieces.index, whole.index) and torch.equal(pieces.step, whole.step)
+            _check_chunks_refuse(bytes(damaged), old, (8, 64))
             damaged[pos] ^= mask
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(HOSTILE), st.data(), st.integers(0, 7), st.sampled_from([1, 8, 9, 64, 1000]))
+def test_chunks_refuse_what_one_piece_refuses_with_any_bit_flipped(options, data, bit, chunk):
+    """Any one bit of a payload flipped (the test above flips three of each field's and one of
+    each stored byte's), in chunks of any size: refused exactly when one piece is."""
+    old, _, payload = _hostile_sample(options)
+    pos = data.draw(st.integers(0, len(payload) - 1))
+    damaged = bytearray(payload)
+    damaged[pos] ^= 1 << bit
+    _check_chunks_refuse(bytes(damaged), old, (chunk,))
 
 
 def _patched(payload: bytes, pos: int, value: bytes) -> bytes:

