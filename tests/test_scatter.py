@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, torchrun
+from lightning_delta.scatter import ScatterSettings
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -57,3 +58,11 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
 def before(events: list[str], first: str, last: str) -> bool:
     """Whether a `first` event comes before the last `last` event."""
     return first in events[: len(events) - 1 - events[::-1].index(last)]
+
+
+def test_a_piece_too_small_for_an_element_or_no_piece_in_flight_is_refused():
+    with pytest.raises(ValueError, match="piece_bytes must hold an element and the trailer"):
+        ScatterSettings(piece_bytes=9)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ScatterSettings(depth=0)
+    assert ScatterSettings(piece_bytes=10).elements == 1
