@@ -19,7 +19,8 @@ default).  Each engine runs in a process of its own:
 Each follows steps 1-11 without prefetching, so `update_weights` fetches, decodes, verifies and
 writes.  Reported per engine: the time of `update_weights` for each step (and of its write), the
 bytes each worker read, the 0.5% steps over the 2% steps, the follower's peak memory beyond the
-engine in each worker during the delta steps (VmHWM, reset after the base, less VmRSS then), and
+engine in each worker during the base step and during the delta steps (VmHWM, reset before each,
+less VmRSS then), and
 vLLM's dense reload of the last step's checkpoint (`reload_weights`, from a warm page cache), with
 the base step (what a replica joining costs) over it.  The
 engine's weights are checked against the trainer's checksums after the chain and after the reload.
@@ -175,7 +176,10 @@ def engine(work: str, name: str) -> dict[str, Any]:
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/{chain}", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths)[0], "steps": {}}
     for step in STEPS:
+        if step == 1:  # the base step: what the follower holds beyond the engine while it joins
+            rss = llm.collective_rpc(_mark)
         if step == 2:  # the delta steps: what the follower holds beyond the engine from here on
+            result["beyond_base"] = [peak - before for peak, before in zip(llm.collective_rpc(_peak), rss, strict=True)]
             rss = llm.collective_rpc(_mark)
         llm.start_weight_update()
         started = time.perf_counter()
@@ -253,6 +257,11 @@ def summary(name: str, result: dict[str, Any], model_bytes: int) -> list[str]:
     lines.append(
         f"  follower memory beyond the engine during delta steps, per worker: "
         f"{', '.join(f'{b / 1e6:.1f} MB' for b in result['beyond'])} ({beyond / model_bytes:.3f}x the model)"
+    )
+    base_beyond = max(result["beyond_base"])
+    lines.append(
+        f"  follower memory beyond the engine during the base step, per worker: "
+        f"{', '.join(f'{b / 1e6:.1f} MB' for b in result['beyond_base'])} ({base_beyond / model_bytes:.3f}x the model)"
     )
     return lines
 

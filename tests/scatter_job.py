@@ -36,11 +36,14 @@ from lightning_delta import DeltaError, Store, whole_walk
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
 from lightning_delta.publisher import DeltaPublisher, PublisherSettings
+from lightning_delta.scatter import ScatterSettings
 from lightning_delta.sparse_walk import SEGMENT_FIELDS, Segments
 from lightning_delta.whole_write import WholeWriter
 from test_engine import follower as following
 
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
+PIECE = 1024
+"""Bytes of a transfer's piece: a few pieces a transfer (a tensor of 48 x 48 elements, 4.6 KB)."""
 
 
 def publish(url: str, group: dist.ProcessGroup) -> dict[int, dict[str, torch.Tensor]]:
@@ -72,22 +75,24 @@ def unowned(segments: Segments | None) -> int | None:
 @contextlib.contextmanager
 def corrupted(report: dict[str, Any]) -> Iterator[None]:
     """Every transfer this worker sends arrives with its first element the receiver does not own
-    (a replicated norm) changed, after its sender gathered it: the group's checksum does not count
-    that element (`report["corrupted"]`: how many transfers)."""
+    (a replicated norm) changed, in the piece that holds it, after its sender gathered it and took
+    its CRC-32: the group's checksum does not count that element (`report["corrupted"]`: how many
+    pieces)."""
     gather, isend = whole_walk.WholeWalk.gather, dist.isend
-    gathered: dict[int, Segments] = {}
+    gathered: dict[int, tuple[Segments, int, int]] = {}
     held: list[torch.Tensor] = []
 
-    def gathering(self: whole_walk.WholeWalk, segments: Segments) -> np.ndarray:
-        out = gather(self, segments)
-        gathered[out.ctypes.data] = segments
+    def gathering(self: whole_walk.WholeWalk, segments: Segments, start: int = 0, out: Any = None) -> np.ndarray:
+        out = gather(self, segments, start, out)
+        gathered[out.ctypes.data] = (segments, start, len(out))
         return out
 
     def sending(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        at = unowned(gathered.get(tensor.data_ptr()))
-        if at is not None:
+        segments, start, n = gathered.pop(tensor.data_ptr(), (None, 0, 0))
+        at = unowned(segments)
+        if at is not None and start <= at < start + n:
             tensor = tensor.clone()
-            tensor[at] ^= 1
+            tensor[at - start] ^= 1
             held.append(tensor)  # alive until the send is done
             report["corrupted"] = report.get("corrupted", 0) + 1
         return isend(tensor, *args, **kwargs)
@@ -97,6 +102,33 @@ def corrupted(report: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         whole_walk.WholeWalk.gather, dist.isend = gather, isend  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def watched(report: dict[str, Any]) -> Iterator[None]:
+    """What this worker does with the pieces, in order (`report["events"]`: "gather", "send" as a
+    piece is posted, "receive" as a receive is posted, "write"), and the largest piece posted
+    either way (`report["largest"]`, bytes)."""
+    gather, write, isend, irecv = whole_walk.WholeWalk.gather, whole_walk.Scattered.apply, dist.isend, dist.irecv
+    events = report.setdefault("events", [])
+
+    def watching(call: Any, what: str) -> Any:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if isinstance(args[0], torch.Tensor):
+                report["largest"] = max(report.get("largest", 0), args[0].numel() * args[0].element_size())
+            events.append(what)
+            return call(*args, **kwargs)
+
+        return watched
+
+    whole_walk.WholeWalk.gather = watching(gather, "gather")  # type: ignore[method-assign]
+    whole_walk.Scattered.apply = watching(write, "write")  # type: ignore[method-assign]
+    dist.isend, dist.irecv = watching(isend, "send"), watching(irecv, "receive")
+    try:
+        yield
+    finally:
+        whole_walk.WholeWalk.gather, whole_walk.Scattered.apply = gather, write  # type: ignore[method-assign]
+        dist.isend, dist.irecv = isend, irecv
 
 
 def main() -> None:
@@ -118,7 +150,7 @@ def main() -> None:
         replace_blob(store, 5, 1, 2, bytes(blob))
     dist.barrier()
     engine = fused.Engine(rank, size)
-    follower = following(store_url, engine, group=dist.group.WORLD)
+    follower = following(store_url, engine, group=dist.group.WORLD, scatter=ScatterSettings(piece_bytes=PIECE))
     report: dict[str, Any] = {"exact": [], "errors": [], "messages": [], "decoded": set()}
     walk_whole = WholeWriter.walk
 
@@ -144,38 +176,49 @@ def main() -> None:
             report["errors"].append([step, type(err).__name__, follower.held_step])
             report["messages"].append(str(err))
 
-    load(1)
+    with watched(report):
+        load(1)
     load(3)
     load(5)
     scattered_apply, gather = whole_walk.Scattered.apply, whole_walk.WholeWalk.gather
-    if rank == size - 1:  # fails writing what it received: after every element travelled
+    written = [0]
+    if rank == size - 1:  # fails writing what it received, at its second piece: mid-transfer
 
         def failing_apply(self: whole_walk.Scattered) -> int:
-            raise MemoryError("out of memory writing the received elements")
+            written[0] += 1
+            if written[0] == 2:
+                raise MemoryError("out of memory writing the received elements")
+            return scattered_apply(self)
 
         whole_walk.Scattered.apply = failing_apply  # type: ignore[method-assign]
     load(7)
     whole_walk.Scattered.apply = scattered_apply  # type: ignore[method-assign]
-    if rank == 0:  # fails gathering a peer's elements: before any element travels
+    report["written before failing"] = written[0]
+    gathered = [0]
+    if rank == 0:  # fails gathering its peers' elements, at its second piece: mid-transfer
 
-        def failing_gather(self: whole_walk.WholeWalk, segments: Any) -> np.ndarray:
-            raise MemoryError("out of memory gathering a peer's elements")
+        def failing_gather(self: whole_walk.WholeWalk, *args: Any) -> np.ndarray:
+            gathered[0] += 1
+            if gathered[0] == 2:
+                raise MemoryError("out of memory gathering a peer's elements")
+            return gather(self, *args)
 
         whole_walk.WholeWalk.gather = failing_gather  # type: ignore[method-assign]
     load(7)
     whole_walk.WholeWalk.gather = gather  # type: ignore[method-assign]
+    report["gathered before failing"] = gathered[0]
     load(7)
     with corrupted(report):  # a transfer that arrives changed in elements its receiver does not own
         load(7)
-    if rank == 0:  # sends nothing of its first transfer: its receiver would wait for it forever
+    sends = WholeWriter.sends
+    if rank == 0:  # plans to send nothing of its first transfer: its receiver would wait for it forever
 
-        def dropping(self: WholeWriter, trainer: int, *args: Any) -> Any:
-            share, sends = decoding(self, trainer, *args)
-            return share, sends[1:]
+        def dropping(self: WholeWriter, trainer: int, i: int) -> list[tuple[int, int]]:
+            return sends(self, trainer, i)[1:]
 
-        WholeWriter.walk = dropping  # type: ignore[method-assign]
+        WholeWriter.sends = dropping  # type: ignore[method-assign]
     load(7)
-    WholeWriter.walk = decoding  # type: ignore[method-assign]
+    WholeWriter.sends = sends  # type: ignore[method-assign]
     load(7)
     report["decoded"] = sorted(report["decoded"])
     jobs.report(out, rank, report)

@@ -37,6 +37,7 @@ from lightning_delta.engine import EngineFollower, PrefetchTimeoutError
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.patch import views
 from lightning_delta.reader import ChainReader
+from lightning_delta.scatter import ScatterSettings
 from lightning_delta.viewmap import Box, ViewMap
 
 STEPS = 8
@@ -63,7 +64,11 @@ def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, to
 
 
 def follower(
-    url: str, engine: Engine, apply: ApplyBackend | None = None, group: dist.ProcessGroup | None = None
+    url: str,
+    engine: Engine,
+    apply: ApplyBackend | None = None,
+    group: dist.ProcessGroup | None = None,
+    scatter: ScatterSettings | None = None,
 ) -> EngineFollower:
     """A follower of `url` writing into `engine` (one worker of `group`, if any), as a backend makes it."""
     store = Store(url)
@@ -76,7 +81,7 @@ def follower(
 
     device = engine.qkv.device
     params = lambda: dict(engine.named_parameters())  # noqa: E731
-    return EngineFollower(store, view_map, params, reload, group=group, device=device, apply=apply)
+    return EngineFollower(store, view_map, params, reload, group=group, device=device, apply=apply, scatter=scatter)
 
 
 BACKENDS = ["walk", "torch", "device"]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, torchrun
+from lightning_delta.scatter import ScatterSettings
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -22,8 +23,9 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         # every worker refuses, with the same error and no step held after it: the part whose bytes
         # do not match its marker (read by worker 1, refused before any byte of it is decoded); the
         # part re-signed over a flipped value (decoded and sent, refused by the group's checksum);
-        # the last worker failing as it writes what it received (after the transfer) and worker 0
-        # failing as it gathers (before it); a transfer changed in an element its receiver does not
+        # the last worker failing as it writes the second piece it received and worker 0 failing as
+        # it gathers its second piece (each mid-transfer: no worker waits forever for a piece, and
+        # the group refuses the step); a transfer changed in an element its receiver does not
         # own (the replicated norm: caught by the transfer's CRC-32, which the group's checksum does
         # not count); worker 0 not sending what a peer expects (refused by all before any element
         # moves, where the peer waited for it forever)
@@ -42,4 +44,25 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         # each trainer rank's payloads decompressed by the worker that read its part alone (the
         # third of three workers reads none)
         assert report["decoded"] == ([worker] if worker < 2 else [])
+        # every piece that travelled fits the setting (a transfer is several: 4.6 KB a tensor)
+        assert 0 < report["largest"] <= 1024
+    # the failures were mid-transfer: at the second piece, a first one gone
+    assert reports[-1]["written before failing"] == 2 and reports[0]["gathered before failing"] == 2
+    # pipelined: worker 0 sends a piece before it gathers its last, and worker 1 writes a piece
+    # before it posts its last receive (before, every element was gathered before any was sent,
+    # and every receive posted before any was written)
+    assert before(reports[0]["events"], "send", "gather") and before(reports[1]["events"], "write", "receive")
     assert sum(report.get("corrupted", 0) for report in reports) > 0  # an element its receiver does not own travelled
+
+
+def before(events: list[str], first: str, last: str) -> bool:
+    """Whether a `first` event comes before the last `last` event."""
+    return first in events[: len(events) - 1 - events[::-1].index(last)]
+
+
+def test_a_piece_too_small_for_an_element_or_no_piece_in_flight_is_refused():
+    with pytest.raises(ValueError, match="piece_bytes must hold an element and the trailer"):
+        ScatterSettings(piece_bytes=9)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ScatterSettings(depth=0)
+    assert ScatterSettings(piece_bytes=10).elements == 1

@@ -99,3 +99,35 @@ def test_elements_of_another_count_are_refused():
     segments = sparse_walk.Segments(table, 10)
     with pytest.raises(ValueError, match="9 int16 elements sent, the segment table holds 10"):
         whole_walk.Scattered(np.zeros(9, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(walks(), st.integers(1, 40), st.integers(0, 2**16))
+def test_elements_sent_in_pieces_write_and_hash_as_the_whole_transfer(case, piece, seed):
+    """A transfer cut into pieces of any size (`scatter`'s bounded buffers): each piece gathered at
+    the reader and written at its receiver alone; the pieces' shares sum to the whole walk's, and
+    every element lands as the whole walk puts it."""
+    _, new, table, sizes = case
+    packed = codec.parse(codec.serialize(codec.pack_full(new.view(torch.bfloat16))), new.numel())
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16) for size in sizes]
+    walked, scattered = [p.clone().numpy() for p in params], [p.clone().numpy() for p in params]
+    peer = sparse_walk.Segments(table, packed.n)
+    share = whole_walk.WholeWalk(packed, peer, walked).apply()
+
+    reader = whole_walk.WholeWalk(packed, sparse_walk.Segments(np.empty((0, 12), dtype=np.int64), packed.n), [])
+    held, total = whole_walk.count(peer), 0
+    for start in range(0, held, piece):
+        out = reader.gather(peer, start, np.empty(min(piece, held - start), dtype=np.int16))
+        assert np.array_equal(out, reader.gather(peer)[start : start + piece])
+        total += whole_walk.Scattered(out, peer, scattered, start).apply()
+    assert total % 2**64 == share
+    assert all(np.array_equal(a, b) for a, b in zip(walked, scattered, strict=True))
+
+
+def test_a_piece_past_the_tables_elements_is_refused():
+    table = np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    segments = sparse_walk.Segments(table, 10)
+    with pytest.raises(ValueError, match="4 int16 elements sent from the 7-th, the segment table holds 10"):
+        whole_walk.Scattered(np.zeros(4, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)], 7)
+    whole_walk.Scattered(np.zeros(3, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)], 7)  # the last piece

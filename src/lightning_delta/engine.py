@@ -48,6 +48,7 @@ from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
 from .prepare import route_and_verify
 from .reader import ChainReader
+from .scatter import ScatterSettings
 from .store import Store
 from .torch_path import TorchPath
 from .viewmap import ViewMap
@@ -98,6 +99,8 @@ class EngineFollower:
             The device walk's kernels first prove themselves on the device: where they fail, this
             worker walks with torch for its life (`walks_with` says which writes), or raises
             `DeviceError` where the failure broke the device's CUDA context.
+        scatter: how a base step's decoded elements travel between the group's workers (the size of
+            the pieces that bound their buffers; `scatter.ScatterSettings`).
 
     Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
     reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
@@ -115,6 +118,7 @@ class EngineFollower:
         full_check: FullCheck = FullCheck.BASE_STEPS,
         stop_seconds: float = 600.0,
         apply: ApplyBackend | None = None,
+        scatter: ScatterSettings | None = None,
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
@@ -141,7 +145,7 @@ class EngineFollower:
         )
         """Which payloads are walked, in place or whole, and the kept copies of refused tensors."""
         self._torch = TorchPath(self.plan, self.rank, self.group)
-        self._whole = WholeWriter(self.plan, self.decisions)
+        self._whole = WholeWriter(self.plan, self.decisions, scatter)
         self._held: list[RankState] | None = None
         self._generation = 0
         self.prefetcher = Prefetcher[EngineStep](self.device, store.url)

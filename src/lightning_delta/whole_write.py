@@ -2,17 +2,21 @@
 decoded, written and hashed together, on threads side by side (the walk and zstd release the GIL).
 
 In a group, the worker that read a part decodes its payloads alone and sends each peer the elements
-the peer's segment table holds (`scatter`), so each payload is decompressed once in the group.
-Every worker's outcome is exchanged before any element moves, and the owned shares of each
-payload's checksum are summed over the group against the trainer's: a failure on any worker raises
-on every worker.
+the peer's segment table holds (`scatter`), piece by piece as each payload is decoded, so each
+payload is decompressed once in the group and the transfers overlap the decoding.  Every worker's
+plan of transfers is exchanged before any element moves, and the owned shares of each payload's
+checksum are summed over the group against the trainer's: a failure on any worker raises on every
+worker.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 
 import numpy as np
 from torch import Tensor
@@ -33,29 +37,34 @@ class WholeWriter:
     """One worker's writes of base steps walked whole (`Plan.whole_walkable`, or sent decoded by
     the worker that read them), over its plan and with its group."""
 
-    def __init__(self, plan: Plan, decisions: Decisions) -> None:
+    def __init__(self, plan: Plan, decisions: Decisions, settings: scatter.ScatterSettings | None = None) -> None:
         self.plan, self.decisions = plan, decisions
+        self.settings = settings or scatter.ScatterSettings()
         self.peers: dict[Key, list[whole_walk.Segments]] = {}
         """Every worker's tables, for the payloads this worker decodes for the others."""
         if decisions.group is not None and plan.walks_whole:  # the same on every worker: one exchange or none
             self.peers = scatter.peer_tables(plan.tables, decisions.group)
+        self._counts: dict[Key, list[tuple[int, int]]] = {}
 
     def write(
         self, whole: Collection[Key], chains: Sequence[tuple[fmt.Part, ...]], step: int, params: Mapping[str, Tensor]
     ) -> bool:
         """Walk the payloads `whole` of base step `step` (`chains`: every rank's part) into the
         engine, side by side on threads, and check them: partial sums over the owned elements,
-        summed over the group.  A failure on any worker raises on all of them (the caller then
-        holds no step).  Returns whether a kept copy changed."""
+        summed over the group.  In a group, each payload's elements go to the peers that hold them
+        piece by piece as it is decoded, and each piece received is written as it arrives
+        (`scatter`).  A failure on any worker raises on all of them (the caller then holds no
+        step).  Returns whether a kept copy changed."""
         if not whole:
             return False
-        jobs, expected, partials, kept = [], [], list[int](), False
-        sending: list[tuple[int, int, np.ndarray]] = []  # (peer, tag, elements)
-        receiving: list[tuple[int, int, np.ndarray]] = []  # (worker that decodes it, tag, buffer)
+        keys = sorted(whole)
+        jobs, expected, kept = [], [], False
+        sending: list[scatter.Transfer] = []  # (peer, tag, elements)
+        receiving: list[scatter.Transfer] = []  # (worker that decodes it, tag, elements)
         arrays: dict[str | int, np.ndarray] = {}
         failure: Exception | None = None
         try:
-            for at, (rank, i) in enumerate(sorted(whole)):  # `at` tags its transfers too
+            for at, (rank, i) in enumerate(keys):  # `at` tags its transfers too
                 table = self.plan.table(rank, i)
                 assert table is not None
                 expected.append((rank, i, chains[rank][0].entries[i].checksum))
@@ -67,34 +76,50 @@ class WholeWriter:
                 source = scatter.reader(rank, self.decisions.size)
                 if source == self.decisions.rank and (holds or self.decisions.group is not None):
                     jobs.append((at, rank, i))
+                    sending += [(peer, at, n) for peer, n in self.sends(rank, i)]
                 elif source != self.decisions.rank and holds:
-                    receiving.append((source, at, np.empty(holds, dtype=np.int16)))
-            partials = [0] * len(expected)
-            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), _threads()))) as pool:
-                futures = [
-                    (at, pool.submit(self.walk, rank, i, chains[rank][0], params, arrays)) for at, rank, i in jobs
-                ]
-                for at, future in futures:
-                    partials[at], gathered = future.result()
-                    sending += [(peer, at, values) for peer, values in gathered]
+                    receiving.append((source, at, holds))
         except Exception as err:
             failure = err
-        if self.decisions.group is not None:
-            # past it, every worker sends and receives
-            transfers = scatter.agree(failure, sending, receiving, self.decisions.group)
+        partials = [0] * len(keys)
+        group = self.decisions.group
+        # in a group, past the agreement every worker posts every piece it agreed to
+        scattering = scatter.agree(failure, sending, receiving, self.settings, group) if group is not None else None
+
+        def write_piece(at: int, start: int, values: np.ndarray) -> None:
+            partials[at] += self.scattered(*keys[at], values, params, arrays, start)
+
+        threads = max(1, _threads())
+        with ThreadPoolExecutor(max_workers=threads + 1) as pool:
+            received = pool.submit(scattering.receive, write_piece) if scattering is not None else None
+            ahead: deque[tuple[int, int, int, Future[tuple[int, whole_walk.WholeWalk]]]] = deque()
             try:
-                transfers.run()
-                sending.clear()
-                keys = sorted(whole)
-                with ThreadPoolExecutor(max_workers=max(1, min(len(receiving), _threads()))) as pool:
-                    writes = [
-                        (at, pool.submit(self.scattered, *keys[at], values, params, arrays))
-                        for _, at, values in receiving
-                    ]
-                    for at, written in writes:
-                        partials[at] = written.result()
+                queue = iter(jobs if failure is None else ())
+                for job in islice(queue, threads):  # decoded planes held: `threads` payloads' at most
+                    ahead.append((*job, pool.submit(self.walk, *job[1:], chains[job[1]][0], params, arrays)))
+                while ahead:
+                    at, rank, i, future = ahead.popleft()
+                    partials[at], walk = future.result()
+                    for peer, _ in self.sends(rank, i):
+                        assert scattering is not None  # a worker without a group sends nothing
+                        scattering.send(at, peer, functools.partial(walk.gather, self.peers[rank, i][peer]))
+                    del walk, future  # its planes
+                    for job in islice(queue, 1):
+                        ahead.append((*job, pool.submit(self.walk, *job[1:], chains[job[1]][0], params, arrays)))
             except Exception as err:
-                failure = err
+                failure = failure or err
+                for *_, future in ahead:
+                    future.cancel()
+            if scattering is not None:
+                try:
+                    scattering.close()  # what is left unsent, marked failed
+                except Exception as err:
+                    failure = failure or err
+            if received is not None:
+                try:
+                    failure = failure or received.result()
+                except Exception as err:
+                    failure = failure or err
         for (rank, i, want), got in zip(expected, self.decisions.sum(partials, failure), strict=True):
             if got != want:
                 raise ChecksumError(
@@ -103,11 +128,24 @@ class WholeWriter:
                 )
         return kept
 
+    def sends(self, rank: int, i: int) -> list[tuple[int, int]]:
+        """(peer, elements) of each peer that holds elements of payload `i` of `rank` (which this
+        worker reads), from the peers' tables: known before any part is decoded."""
+        if self.decisions.group is None:
+            return []
+        if (rank, i) not in self._counts:
+            self._counts[rank, i] = [
+                (q, n)
+                for q, t in enumerate(self.peers.get((rank, i), []))
+                if q != self.decisions.rank and (n := whole_walk.count(t))
+            ]
+        return self._counts[rank, i]
+
     def walk(
         self, rank: int, i: int, part: fmt.Part, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
-    ) -> tuple[int, list[tuple[int, np.ndarray]]]:
-        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum, and the
-        elements each peer holds of it (in a group, where this worker read the part)."""
+    ) -> tuple[int, whole_walk.WholeWalk]:
+        """Payload `i` of `rank`'s whole walk: this worker's share of its checksum, and the walk,
+        which gathers what each peer holds of it (in a group, where this worker read the part)."""
         view, table = self.plan.views[rank][i], self.plan.table(rank, i)
         assert table is not None
         packed = codec.parse(part.payloads[i], view.numel)
@@ -115,20 +153,22 @@ class WholeWriter:
             where = f"{self.plan.url} rank {rank} step {part.header.step}: payload {i}"
             raise fmt.FormatError(f"{where} is {packed.dtype}, expected {view.dtype}")
         walk = whole_walk.WholeWalk(packed, table[0], self._targets(table[1], params, arrays))
-        share = walk.apply()
-        peers = self.peers.get((rank, i), []) if self.decisions.group is not None else []
-        return share, [
-            (q, walk.gather(t)) for q, t in enumerate(peers) if q != self.decisions.rank and whole_walk.count(t)
-        ]
+        return walk.apply(), walk
 
     def scattered(
-        self, rank: int, i: int, values: np.ndarray, params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
+        self,
+        rank: int,
+        i: int,
+        values: np.ndarray,
+        params: Mapping[str, Tensor],
+        arrays: dict[str | int, np.ndarray],
+        start: int,
     ) -> int:
-        """Payload `i` of `rank`'s elements this worker holds, as the worker that read it sent them:
-        written, and this worker's share of its checksum."""
+        """A piece of payload `i` of `rank`'s elements this worker holds, from the `start`-th, as
+        the worker that read it sent them: written, and its share of this worker's checksum."""
         table = self.plan.table(rank, i)
         assert table is not None
-        return whole_walk.Scattered(values, table[0], self._targets(table[1], params, arrays)).apply()
+        return whole_walk.Scattered(values, table[0], self._targets(table[1], params, arrays), start).apply()
 
     def _targets(
         self, names: list[str | int], params: Mapping[str, Tensor], arrays: dict[str | int, np.ndarray]
