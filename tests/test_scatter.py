@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, torchrun
+from lightning_delta import scatter
 from lightning_delta.scatter import ScatterSettings
 
 
@@ -66,3 +67,14 @@ def test_a_piece_too_small_for_an_element_or_no_piece_in_flight_is_refused():
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ScatterSettings(depth=0)
     assert ScatterSettings(piece_bytes=10).elements == 1
+
+
+def test_a_transfer_sent_out_of_the_agreed_order_raises_before_any_piece_moves():
+    """Its pieces and those skipped would be posted marked failed by `close` while no worker
+    failed, and the receiver would drop them silently: a step with elements left unwritten."""
+    pieces = [scatter._Piece(0, 0, 0, 1, 0, 5), scatter._Piece(1, 1, 0, 1, 0, 5)]
+    sending = scatter.Scatter(pieces, [], 2, None)  # type: ignore[arg-type]  # no piece moves
+    filled: list[int] = []
+    with pytest.raises(ValueError, match="transfer 1 to worker 1 is not the next one agreed"):
+        sending.send(1, 1, lambda start, out: filled.append(start))
+    assert filled == []

@@ -148,21 +148,33 @@ class Scatter:
 
     def send(self, tag: int, peer: int, fill: Callable[[int, np.ndarray], object]) -> None:
         """Send the pieces of transfer `tag` to `peer`, each filled by `fill(start, elements)` as it
-        goes (the transfers in the order `agree` gave, each only once)."""
-        while self._next < len(self._sends) and (self._sends[self._next].tag, self._sends[self._next].receiver) == (
-            tag,
-            peer,
-        ):
+        goes (the transfers in the order `agree` gave, each only once: out of order, the pieces
+        skipped would be posted marked failed by `close` while no worker failed, so it raises)."""
+        if not self._is_next(tag, peer):
+            raise ValueError(f"transfer {tag} to worker {peer} is not the next one agreed: send in `agree`'s order")
+        while self._is_next(tag, peer):
             piece = self._sends[self._next]
+            self._free_slot()  # before its buffer: `depth` pieces sent at most are held
             buffer = np.empty(piece.count + _TRAILER, dtype=np.int16)
             fill(piece.start, buffer[: piece.count])
             self._post(piece, buffer, _SENT)
+
+    def _is_next(self, tag: int, peer: int) -> bool:
+        return self._next < len(self._sends) and (self._sends[self._next].tag, self._sends[self._next].receiver) == (
+            tag,
+            peer,
+        )
+
+    def _free_slot(self) -> None:
+        if len(self._flight) >= self._depth:
+            self._flight.popleft()[0].wait()
 
     def close(self) -> None:
         """Post every piece not sent yet, marked failed (this worker's failure reaches the group in
         the exchange after the transfers), and wait until every piece is sent."""
         while self._next < len(self._sends):
             piece = self._sends[self._next]
+            self._free_slot()
             self._post(piece, np.zeros(piece.count + _TRAILER, dtype=np.int16), _FAILED)
         while self._flight:
             self._flight.popleft()[0].wait()
@@ -182,19 +194,8 @@ class Scatter:
             piece, buffer, request = pending.popleft()
             request.wait()
             if failure is None:
-                try:
-                    elements, (crc, mark) = buffer[: piece.count], buffer[piece.count :].view(np.uint32)
-                    if _crc(elements, mark) != crc:
-                        raise ChecksumError(
-                            f"the elements worker {piece.sender} decoded for this worker (transfer {piece.tag}, from "
-                            f"its {piece.start}-th element) did not arrive as it sent them; the engine holds no step "
-                            "until it loads a base"
-                        )
-                    if mark == _SENT:
-                        write(piece.tag, piece.start, elements)
-                except Exception as err:
-                    failure = err
-            del buffer
+                failure = _written(piece, buffer, write)
+            del buffer, request  # before the next is posted: `depth` pieces received at most are held
             following = next(pieces, None)
             if following is not None:
                 pending.append(self._post_receive(following))
@@ -204,8 +205,6 @@ class Scatter:
         trailer = buffer[piece.count :].view(np.uint32)
         trailer[1] = mark
         trailer[0] = _crc(buffer[: piece.count], trailer[1])
-        if len(self._flight) >= self._depth:
-            self._flight.popleft()[0].wait()
         peer = dist.get_global_rank(self._group, piece.receiver)
         request = dist.isend(torch.from_numpy(buffer), dst=peer, group=self._group, tag=piece.number)
         assert request is not None  # None only for a rank outside `group`, which this one is not
@@ -218,6 +217,23 @@ class Scatter:
         request = dist.irecv(torch.from_numpy(buffer), src=source, group=self._group, tag=piece.number)
         assert request is not None
         return piece, buffer, request
+
+
+def _written(piece: _Piece, buffer: np.ndarray, write: Callable[[int, int, np.ndarray], None]) -> Exception | None:
+    """Write a received piece if it arrived as its sender took it (and it did not fail); why not."""
+    try:
+        elements, (crc, mark) = buffer[: piece.count], buffer[piece.count :].view(np.uint32)
+        if _crc(elements, mark) != crc:
+            raise ChecksumError(
+                f"the elements worker {piece.sender} decoded for this worker (transfer {piece.tag}, from "
+                f"its {piece.start}-th element) did not arrive as it sent them; the engine holds no step "
+                "until it loads a base"
+            )
+        if mark == _SENT:
+            write(piece.tag, piece.start, elements)
+    except Exception as err:
+        return err
+    return None
 
 
 def _crc(elements: np.ndarray, mark: np.uint32) -> int:
