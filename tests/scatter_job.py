@@ -19,6 +19,7 @@ each failed load and the step held after it, and the trainer ranks whose payload
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -102,6 +103,34 @@ def corrupted(report: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         whole_walk.WholeWalk.gather, dist.isend = gather, isend  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def marked(report: dict[str, Any]) -> Iterator[None]:
+    """The first piece worker 0 sends arrives marked failed (its trailer's mark set after its
+    CRC-32 was taken), as a damaged trailer would: its receiver must refuse it by the CRC, not drop
+    it as a failed sender's piece.  The follower then loads the base again, which goes through
+    (`report["marked"]`: whether a piece was marked; `report["marked_log"]`: what was logged)."""
+    isend, held = dist.isend, []
+    logged = report.setdefault("marked_log", [])
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_delta").addHandler(handler)
+
+    def sending(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 0 and not report.get("marked"):
+            tensor = tensor.clone()
+            tensor[-2:] = torch.tensor([1, 0], dtype=tensor.dtype)  # the mark, a little-endian uint32: failed
+            held.append(tensor)  # alive until the send is done
+            report["marked"] = True
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = sending
+    try:
+        yield
+    finally:
+        dist.isend = isend
+        logging.getLogger("lightning_delta").removeHandler(handler)
 
 
 @contextlib.contextmanager
@@ -209,6 +238,8 @@ def main() -> None:
     report["gathered before failing"] = gathered[0]
     load(7)
     with corrupted(report):  # a transfer that arrives changed in elements its receiver does not own
+        load(7)
+    with marked(report):  # a piece that arrives marked failed, though its sender did not fail
         load(7)
     sends = WholeWriter.sends
     if rank == 0:  # plans to send nothing of its first transfer: its receiver would wait for it forever

@@ -20,7 +20,7 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(workers)]
     for worker, report in enumerate(reports):
         # bit-exact after each base step that loads, the last one after the failures
-        assert report["exact"] == [[1, True], [7, True], [7, True]]
+        assert report["exact"] == [[1, True], [7, True], [7, True], [7, True]]
         # every worker refuses, with the same error and no step held after it: the part whose bytes
         # do not match its marker (read by worker 1, refused before any byte of it is decoded); the
         # part re-signed over a flipped value (decoded and sent, refused by the group's checksum);
@@ -28,8 +28,8 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         # it gathers its second piece (each mid-transfer: no worker waits forever for a piece, and
         # the group refuses the step); a transfer changed in an element its receiver does not
         # own (the replicated norm: caught by the transfer's CRC-32, which the group's checksum does
-        # not count); worker 0 not sending what a peer expects (refused by all before any element
-        # moves, where the peer waited for it forever)
+        # not count); worker 0 not sending what a peer expects (refused by all before any element moves, where
+        # the peer waited for it forever)
         assert report["errors"] == [
             [3, "ChecksumError", None],
             [5, "ChecksumError", None],
@@ -42,6 +42,9 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         assert "does not reproduce the trainer's checksum" in report["messages"][1]
         assert "did not arrive as it sent them" in report["messages"][4]
         assert "worker 0 is expected to send" in report["messages"][5]
+        # a piece whose failure mark was set in transit: refused by its CRC-32, which covers the mark
+        # (not dropped as a failed sender's), then the base loaded again (the third exact load of 7)
+        assert any("did not arrive as it sent them" in m for m in report["marked_log"]), report["marked_log"]
         # each trainer rank's payloads decompressed by the worker that read its part alone (the
         # third of three workers reads none)
         assert report["decoded"] == ([worker] if worker < 2 else [])
