@@ -43,7 +43,8 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         assert "did not arrive as it sent them" in report["messages"][4]
         assert "worker 0 is expected to send" in report["messages"][5]
         # a piece whose failure mark was set in transit: refused by its CRC-32, which covers the mark
-        # (not dropped as a failed sender's), then the base loaded again (the third exact load of 7)
+        # (not dropped as a failed sender's: that would be refused by the group's checksum instead, or
+        # not at all for elements no checksum counts), then the base loaded again
         assert any("did not arrive as it sent them" in m for m in report["marked_log"]), report["marked_log"]
         # each trainer rank's payloads decompressed by the worker that read its part alone (the
         # third of three workers reads none)

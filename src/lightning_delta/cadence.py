@@ -117,10 +117,11 @@ class Cadence:
     def overdue(self, now: float) -> bool:
         """Whether no step has come for twice the chain's usual gap (its median): the next step
         may be at a number the poller did not guess, and a listing would find it."""
-        gaps = self._gaps()
-        return bool(gaps) and now - self._arrivals[-1] > 2 * statistics.median(gaps)
+        usual = self.usual_gap()
+        return usual is not None and now - self._arrivals[-1] > 2 * usual
 
     def usual_gap(self) -> float | None:
-        """The median recent gap; None before two arrivals."""
-        gaps = self._gaps()
+        """The median recent gap between steps found apart (a backlog's steps, found in one pass,
+        are no gap: with one, every later moment would be overdue); None before two such."""
+        gaps = [g for g in self._gaps() if g > 0]
         return statistics.median(gaps) if gaps else None

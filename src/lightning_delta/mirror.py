@@ -57,8 +57,7 @@ log = logging.getLogger(__name__)
 
 _IDLE_MOST = 5.0
 """The longest a following mirror waits between polls while the trainer keeps no rhythm (a pause,
-a warm-up): a step after the pause is found at most that late, and a paused trainer's heartbeat
-(rewritten every 10 s by default) is relayed at least that often."""
+a warm-up): a step after the pause is found at most that late."""
 
 RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
 """The run-level objects a mirror copies before any step, the manifest first (it says whose run a
