@@ -380,9 +380,9 @@ def test_every_walk_is_taken_back_past_an_undo_that_raised_and_the_follower_hold
     assert exact(engine, truth[5])
 
 
-def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monkeypatch):
-    """A chunk spanning two rows (two parameters) whose second row's hash runs out of memory: the
-    first row is not written either, as `apply`'s undo counts whole chunks."""
+def _two_rows() -> tuple[Payload, dict[str, torch.Tensor]]:
+    """A one-chunk SPARSE payload whose two changes lie in two rows (two parameters, "w" and "v"),
+    and the zeroed parameters it walks into."""
     old = torch.zeros(64, dtype=torch.int16)
     new = old.clone()
     new[[3, 40]] = 1
@@ -390,7 +390,13 @@ def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monk
     rows = [[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
     table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
     payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w", "v"), 0, "rank 0 payload 0")
-    held = {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+    return payload, {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+
+
+def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monkeypatch):
+    """A chunk spanning two rows (two parameters) whose second row's hash runs out of memory: the
+    first row is not written either, as `apply`'s undo counts whole chunks."""
+    payload, held = _two_rows()
     calls, update = [], torch_walk.checksum_update
 
     def second_fails(*args: Any) -> int:
@@ -408,14 +414,7 @@ def test_a_chunk_the_torch_walk_fails_partway_through_is_not_written_at_all(monk
 def test_a_chunk_whose_write_fails_between_two_rows_is_taken_back_whole(monkeypatch):
     """The same chunk, whose second row's write runs out of memory after its first row was
     written: `apply`'s undo takes the first row back too, though the chunk was not counted."""
-    old = torch.zeros(64, dtype=torch.int16)
-    new = old.clone()
-    new[[3, 40]] = 1
-    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
-    rows = [[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
-    table = sparse_walk.Segments(np.array(rows, dtype=np.int64), 64)
-    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w", "v"), 0, "rank 0 payload 0")
-    held = {"w": torch.zeros(32, dtype=torch.int16), "v": torch.zeros(32, dtype=torch.int16)}
+    payload, held = _two_rows()
     written, index_add = [], torch.Tensor.index_add_
 
     def second_fails(self: torch.Tensor, *args: Any) -> torch.Tensor:
