@@ -70,18 +70,24 @@ def test_only_a_raw_payload_is_walked_whole():
         whole_walk.WholeWalk(packed, sparse_walk.Segments(table, 1000), [np.zeros(1000, dtype=np.int16)])
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(walks(), walks(), st.integers(0, 2**16))
-def test_elements_gathered_for_a_peer_and_scattered_there_write_and_hash_as_its_own_walk(case, other, seed):
-    """The reader of a part walks its own table and gathers a peer's (any table over the payload);
-    the peer's scatter writes its parameters and hashes its owned share as its own walk would."""
+def _peer_walked(case, seed: int):
+    """A RAW payload of `case`'s tensor, a peer's table over it, the peer's parameters walked by it
+    (random, from `seed`), an untouched copy of them to scatter into, and the walk's hash share."""
     _, new, table, sizes = case
     packed = codec.parse(codec.serialize(codec.pack_full(new.view(torch.bfloat16))), new.numel())
     g = torch.Generator().manual_seed(seed)
     params = [torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16) for size in sizes]
     walked, scattered = [p.clone().numpy() for p in params], [p.clone().numpy() for p in params]
     peer = sparse_walk.Segments(table, packed.n)
-    share = whole_walk.WholeWalk(packed, peer, walked).apply()
+    return packed, peer, walked, scattered, whole_walk.WholeWalk(packed, peer, walked).apply()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(walks(), walks(), st.integers(0, 2**16))
+def test_elements_gathered_for_a_peer_and_scattered_there_write_and_hash_as_its_own_walk(case, other, seed):
+    """The reader of a part walks its own table and gathers a peer's (any table over the payload);
+    the peer's scatter writes its parameters and hashes its owned share as its own walk would."""
+    packed, peer, walked, scattered, share = _peer_walked(case, seed)
 
     _, _, own, own_sizes = other  # the reader's own table: of another tensor's shape, cut to this payload
     own = own[own[:, 1] <= packed.n] if own.size else own
@@ -107,13 +113,7 @@ def test_elements_sent_in_pieces_write_and_hash_as_the_whole_transfer(case, piec
     """A transfer cut into pieces of any size (`scatter`'s bounded buffers): each piece gathered at
     the reader and written at its receiver alone; the pieces' shares sum to the whole walk's, and
     every element lands as the whole walk puts it."""
-    _, new, table, sizes = case
-    packed = codec.parse(codec.serialize(codec.pack_full(new.view(torch.bfloat16))), new.numel())
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.randint(-32768, 32768, (size,), generator=g, dtype=torch.int16) for size in sizes]
-    walked, scattered = [p.clone().numpy() for p in params], [p.clone().numpy() for p in params]
-    peer = sparse_walk.Segments(table, packed.n)
-    share = whole_walk.WholeWalk(packed, peer, walked).apply()
+    packed, peer, walked, scattered, share = _peer_walked(case, seed)
 
     reader = whole_walk.WholeWalk(packed, sparse_walk.Segments(np.empty((0, 12), dtype=np.int64), packed.n), [])
     held, total = whole_walk.count(peer), 0
