@@ -289,6 +289,8 @@ def test_an_mla_engine_follows_steps_that_change_kv_b_proj(run, tmp_path, tp):
         # On vLLM 0.32 the map refuses them first because their loader copies them elsewhere (so
         # `refuse_derived` is the second line here; the stand-in of test_engine pins it alone).
         assert sorted(refused) == [f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in (0, 1)]
+    # TP=2 follows the base and the step that changes only kv_b_proj (vllm_job.mla), TP=1 every step
+    assert list(result["steps"]) == (["1", "2", "3"] if tp == 1 else ["1", "2"])
     for step, row in result["steps"].items():
         assert row["differ"] == [[]] * tp and row["missing"] == [[]] * tp, step
     moved = result["steps"]["2"]["moved"]

@@ -560,20 +560,23 @@ def mla_build(work: str) -> None:
 def mla(work: str, tp: int) -> dict[str, Any]:
     """Follow the MLA chain (TP=1 or 2) and read every parameter and buffer of every worker back
     after each step, the derived W_UK_T and W_UV included, beside a fresh engine's of that step (at
-    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide)."""
+    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide).  TP=2, whose
+    fresh engines are the slowest to start, follows steps 1 (a base: in place and through the
+    reload in one step) and 2 (the reload alone); step 3, a delta doing both, is TP=1's."""
     from vllm import LLM
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
     engine = {**ENGINE, "max_model_len": 64, **extra}
+    steps = range(1, (MLA_STEPS if tp == 1 else 2) + 1)
     fresh, engines = {}, []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
-    for step in range(1, MLA_STEPS + 1):  # first: no engine starts in a process where the walk compiled
+    for step in steps:  # first: no engine starts in a process where the walk compiled
         engines.append(LLM(model=f"{work}/step-{step}", **engine))
         fresh[step] = engines[-1].collective_rpc(_digests)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **engine)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused), "steps": {}}
     before = llm.collective_rpc(_digests)
-    for step in range(1, MLA_STEPS + 1):
+    for step in steps:
         llm.start_weight_update()
         llm.update_weights({"update_info": {"step": step}})
         llm.finish_weight_update(weight_version=str(step))
