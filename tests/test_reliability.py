@@ -501,13 +501,14 @@ def _assert_listed_steps_exact(url: str) -> list[int]:
 
 @pytest.mark.slow
 def test_publishers_killed_at_random_moments_leave_only_exact_steps_and_resume(tmp_path):
-    """8 kills: a fresh run killed, then its resumption killed, four times (scripts/fuzz.py and
-    the other tests here cover the same ground at scale).  In the first two trials a kill may land
-    anywhere, before the first commit too; in the last two, after each run's first step is
-    committed: that step and the resumed run's first are listed, and exact."""
+    """4 kills: a fresh run killed, then its resumption killed, twice (scripts/fuzz.py and the
+    other tests here cover the same ground at scale; each job's start, torch's import, is most of
+    a trial's time).  In the first trial a kill may land anywhere, before the first commit too; in
+    the second, after each run's first step is committed: that step and the resumed run's first
+    are listed, and exact."""
     rng = random.Random(0)
-    for trial in range(4):
-        synced = trial >= 2
+    for trial in range(2):
+        synced = trial >= 1
         url = str(tmp_path / f"run-{trial}")
         job = _job("publish", url, "1")
         if synced:
@@ -529,7 +530,7 @@ def test_publishers_killed_at_random_moments_leave_only_exact_steps_and_resume(t
 
 @pytest.mark.slow
 def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(tmp_path):
-    """5 kills in the middle of a gc that deletes 35 steps (each deleting call slowed to 20 ms)."""
+    """3 kills in the middle of a gc that deletes 35 steps (each deleting call slowed to 20 ms)."""
     source = str(tmp_path / "source")
     tensors = kill_job.initial()
     with DeltaPublisher(source, lambda: tensors, PublisherSettings(base_every=kill_job.BASE_EVERY)) as publisher:
@@ -537,7 +538,7 @@ def test_collections_killed_at_random_moments_leave_every_listed_step_loadable(t
             kill_job.evolve(tensors, step)
             publisher.publish(step)
     rng, cut = random.Random(0), []
-    for trial in range(5):
+    for trial in range(3):
         url = str(tmp_path / f"gc-{trial}")
         shutil.copytree(source, url)
         _kill_at_random(_job("gc", url), rng, 1.2, may_finish=True)

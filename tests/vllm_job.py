@@ -14,12 +14,14 @@ Scenarios:
   engine's loaded from the trainer's weights of that step.  Offline also changes a weight behind
   the backend's back twice: where the next step changes it (the incremental check) and where it
   does not, before a base step (the full check).
-* serve: the same through `vllm serve` and its HTTP routes, on 127.0.0.1.
 * forgery: the chain signed by the trainer's key, and the issue's forgery (step 7, every weight
   7.0, published elsewhere under the run's id by two ranks with another key, copied in): an engine
   with `trusted_keys` takes step 6 and refuses step 7, keeping step 6's weights.
 * probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
   through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
+* probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
+  the full check, distrust and re-sync, the damaged step 3 refused, a completion exact), with no
+  process allowed insecure serialization.
 * mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
   (in place elsewhere), every parameter and buffer of every worker read back after each step
   beside a fresh engine's.
@@ -169,12 +171,13 @@ def logprobs(llm: Any) -> list[Any]:
 
 
 def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
-    """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2: steps 2 and 6, whose fresh
-    engines take the longest to start), the weight changed behind the backend's back in place."""
+    """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2, whose fresh engines take the
+    longest to start: step 6, a delta on the base at 5 after the refused 3 and 4), the weight changed
+    behind the backend's back in place."""
     from vllm import LLM
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
-    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {2, 6}
+    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {6}
     fresh: dict[int, list[Any]] = {}
     engines = []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
 
@@ -288,10 +291,12 @@ STALE = "model.layers.0.mlp.down_proj"
 
 def probe_build(work: str) -> None:
     """The model at step 0 and a one-rank chain published with the trainer's probe log-probs:
-    step 1 moves 2% of the elements by one ULP, step 2 draws layer 0's down_proj anew."""
+    step 1 moves 2% of the elements by one ULP, step 2 draws layer 0's down_proj anew (its weights
+    in a folder a fresh engine loads), step 3 moves 2% again and is damaged (tests/forge.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_delta import DeltaPublisher
+    from forge import forge_value
+    from lightning_delta import DeltaPublisher, Store
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -320,6 +325,12 @@ def probe_build(work: str) -> None:
         publisher.publish(1, probe=logprobs())
         state[f"{STALE}.weight"].copy_(torch.randn(state[f"{STALE}.weight"].shape, generator=g) * 0.02)
         publisher.publish(2, probe=logprobs())
+        shutil.copytree(f"{work}/model", f"{work}/step-2")
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{work}/step-2/model.safetensors")
+        for bits in (t.view(torch.int16).view(-1) for _, t in sorted(state.items())):
+            bits[torch.rand(bits.numel(), generator=g) < 0.02] += 1
+        publisher.publish(DAMAGED, probe=logprobs())
+    forge_value(Store(f"{work}/store"), DAMAGED)
 
 
 def probe(work: str) -> dict[str, Any]:
@@ -549,20 +560,23 @@ def mla_build(work: str) -> None:
 def mla(work: str, tp: int) -> dict[str, Any]:
     """Follow the MLA chain (TP=1 or 2) and read every parameter and buffer of every worker back
     after each step, the derived W_UK_T and W_UV included, beside a fresh engine's of that step (at
-    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide)."""
+    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide).  TP=2, whose
+    fresh engines are the slowest to start, follows steps 1 (a base: in place and through the
+    reload in one step) and 2 (the reload alone); step 3, a delta doing both, is TP=1's."""
     from vllm import LLM
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
     engine = {**ENGINE, "max_model_len": 64, **extra}
+    steps = range(1, (MLA_STEPS if tp == 1 else 2) + 1)
     fresh, engines = {}, []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
-    for step in range(1, MLA_STEPS + 1):  # first: no engine starts in a process where the walk compiled
+    for step in steps:  # first: no engine starts in a process where the walk compiled
         engines.append(LLM(model=f"{work}/step-{step}", **engine))
         fresh[step] = engines[-1].collective_rpc(_digests)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **engine)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused), "steps": {}}
     before = llm.collective_rpc(_digests)
-    for step in range(1, MLA_STEPS + 1):
+    for step in steps:
         llm.start_weight_update()
         llm.update_weights({"update_info": {"step": step}})
         llm.finish_weight_update(weight_version=str(step))
@@ -715,38 +729,16 @@ def _nudge(worker: Any, name: str, position: int) -> None:
             params[box.param].data.view(-1).view(torch.int16)[target] += 1
 
 
-def serve(work: str) -> dict[str, Any]:
+def probe_serve(work: str) -> dict[str, Any]:
+    """`vllm serve` and its HTTP routes, with no process allowed insecure serialization: the probe
+    (`probe_through_server`) after steps 1 and 2 within the tolerance; the full check by name; the
+    engine told to hold no step through `/collective_rpc`, then re-synced by the next update; the
+    damaged step 3 an error, and the served completion then a fresh engine's of step 2, exactly."""
     from vllm import LLM
 
-    result: dict[str, Any] = {}
-    with _server(work, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}) as base:
-        _post(f"{base}/init_weight_transfer_engine", {"init_info": {"url": f"{work}/store"}})
-        for step in (2, DAMAGED):
-            _post(f"{base}/start_weight_update", None)
-            result[f"update_{step}"] = _post(f"{base}/update_weights", {"update_info": {"step": step}})[0]
-            if result[f"update_{step}"] == 200:
-                _post(f"{base}/finish_weight_update", {"weight_version": str(step)})
-        result["version"] = json.loads(urllib.request.urlopen(f"{base}/weight_info", timeout=60).read())
-        _post(f"{base}/reset_prefix_cache", None)
-        body = {"model": f"{work}/model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3}
-        body["return_tokens_as_token_ids"] = True
-        _, answer = _post(f"{base}/v1/completions", body)
-        choice = answer["choices"][0]["logprobs"]
-        tokens = [int(t.split(":")[1]) for t in choice["tokens"]]
-        top = [sorted((int(k.split(":")[1]), v) for k, v in d.items()) for d in choice["top_logprobs"]]
-    engine = LLM(model=f"{work}/step-2", distributed_executor_backend="uni", **ENGINE)
-    fresh = logprobs(engine)
-    result["equal"] = [tokens, [[(k, v) for k, v in d] for d in top]] == [
-        fresh[0],
-        [[(k, v) for k, v in d] for d in fresh[1]],
-    ]
-    return result
+    # a fresh engine of step 2, first: before this process imports the backend (see offline)
+    fresh = logprobs(LLM(model=f"{work}/step-2", distributed_executor_backend="uni", **ENGINE))
 
-
-def probe_serve(work: str) -> dict[str, Any]:
-    """The probe through `vllm serve` (`probe_through_server`), with no process allowed insecure
-    serialization: steps 1 and 2 within the tolerance; the full check by name; the engine told to
-    hold no step through `/collective_rpc`, then re-synced by the next update."""
     from lightning_delta.vllm_backend import DISTRUST, STATUS, VERIFY, probe_through_server
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
@@ -774,6 +766,16 @@ def probe_serve(work: str) -> dict[str, Any]:
         result["distrusted"] = status()["step"]
         result["resync"] = {"code": update(2), "error": probe_through_server(base, f"{work}/model", PROBE)}
         result["resynced"] = status()["step"]
+        _post(f"{base}/start_weight_update", None)
+        result["update_3"] = _post(f"{base}/update_weights", {"update_info": {"step": DAMAGED}})[0]
+        result["version"] = json.loads(urllib.request.urlopen(f"{base}/weight_info", timeout=60).read())
+        _post(f"{base}/reset_prefix_cache", None)
+        body = {"model": f"{work}/model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3}
+        body["return_tokens_as_token_ids"] = True
+        choice = _post(f"{base}/v1/completions", body)[1]["choices"][0]["logprobs"]
+    tokens = [int(t.split(":")[1]) for t in choice["tokens"]]
+    top = [sorted((int(k.split(":")[1]), v) for k, v in d.items()) for d in choice["top_logprobs"]]
+    result["equal"] = [tokens, top] == fresh
     return result
 
 
@@ -867,7 +869,7 @@ def main() -> None:
     elif scenario == "reload-fails":
         result = reload_fails(work)
     else:
-        result = serve(work)
+        raise SystemExit(f"unknown scenario {scenario}")
     with open(f"{work}/result.json", "w") as f:
         json.dump(result, f, default=str)
 
