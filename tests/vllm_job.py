@@ -172,12 +172,12 @@ def logprobs(llm: Any) -> list[Any]:
 
 def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2, whose fresh engines take the
-    longest to start: step 6, a delta on the base at 5 after the refused 3 and 4), the weight changed
-    behind the backend's back in place."""
+    longest to start: step 2, the one sparse delta written in place into split weights), the weight
+    changed behind the backend's back in place."""
     from vllm import LLM
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
-    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {6}
+    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {2}
     fresh: dict[int, list[Any]] = {}
     engines = []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
 
