@@ -335,6 +335,29 @@ def test_a_paced_mirror_without_a_rhythm_polls_at_least_every_few_seconds(monkey
     assert len(trainer.waits) < 3600 / mirror_module._IDLE_MOST * 2  # not a poll every 0.05 s
 
 
+def test_a_paced_mirror_that_holds_no_step_yet_thins_its_listings_through_a_warm_up(monkeypatch):
+    """A mirror that holds no step lists the source at each pass (which step comes first?); through
+    a trainer's 10 s warm-up at a 0.05 s poll that was a listing a poll, about 200.  The polls thin
+    out as the warm-up goes on, as without a rhythm, and the first step is found at most a sixteenth
+    of the wait late."""
+    late, trainer, _ = _paced(monkeypatch, [10.0, 12.0, 14.0])
+    assert trainer.lists_before <= 64, trainer.lists_before  # 203 polling every 0.05 s
+    assert late[1] <= 10.0 / 16 + 0.05, late
+
+
+def test_a_paced_mirror_without_a_rhythm_reads_markers_only(monkeypatch):
+    """Without a rhythm (a warm-up here) polls thin out and most of them miss: each asks for the
+    marker only (one 404), not its blob too, and a step found then costs one round trip more.  Once
+    a rhythm is kept, each step's blob is read with its marker again."""
+    commits = [10.0 + 2.0 * s for s in range(12)]
+    _, _, watched = _paced(monkeypatch, commits)
+    blob_misses = {s: watched.misses[fmt.blob_path(s, 0, 1)] for s in range(1, len(commits) + 1)}
+    marker_misses = {s: watched.misses[fmt.commit_path(s, 0, 1)] for s in range(1, len(commits) + 1)}
+    assert all(marker_misses[s] > 0 for s in (2, 3)), marker_misses  # thinned polls that missed
+    assert all(blob_misses[s] == 0 for s in (1, 2, 3)), blob_misses
+    assert sum(blob_misses[s] for s in range(6, len(commits) + 1)) > 0, blob_misses  # read ahead again
+
+
 def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):
     """The stride learned from a listing (3, 5: 2) guesses 7 after 5; once the trainer commits 6
     and 7, 7 is a delta from 6, which the mirror does not hold: copied, it would be a step listed at

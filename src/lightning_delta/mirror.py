@@ -9,9 +9,10 @@ step before it was copied: each step listed at the mirror loads.
 
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
-stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
-held until the marker checks it), then looks for the step after it (a backlog), unless the one it
-copied had just come (found just after a pass that missed it: the look would be a 404).
+stride, every rank, all at once while the trainer keeps a rhythm: a step costs one round trip, and a
+blob there before its marker is held until the marker checks it), then looks for the step after
+it (a backlog), unless the one it copied had just come (found just after a pass that missed it:
+the look would be a 404).
 Until anything of a step is there, a pass asks for one rank's marker and blob only, then every
 rank's (with several ranks, one round trip more a step): a step not there yet costs two small
 requests (404s), not two per rank, where a listing pass costs three or more round trips one after
@@ -90,9 +91,11 @@ class MirrorSettings:
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
     round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
-    per marker.  A blob read before its marker is held (at most the largest delta seen of its rank,
-    a quarter more: a base's rest is read once its marker is) until the marker is read and checks
-    it."""
+    per marker.  Only while the trainer keeps a rhythm: without one (a warm-up, a new pace) polls
+    thin out, most of them misses, and a step found then is late by up to a sixteenth of the wait
+    anyway, so each reads its marker only (one 404, not two).  A blob read before its marker is
+    held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
+    marker is) until the marker is read and checks it."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -228,6 +231,7 @@ class Mirror:
         self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
         self._missed_none = False  # and found nothing of it (not a step partly there)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
+        self._thinned = False  # the pass follows a thinned wait (no rhythm): no blob is read ahead
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -255,6 +259,7 @@ class Mirror:
         while not stop.is_set():
             yield self.sync()
             poll = self.settings.poll_seconds
+            self._thinned = self.settings.paced and not self._cadence.steady()
             stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
 
     def sync(self) -> MirrorMetrics:
@@ -344,6 +349,7 @@ class Mirror:
                     p
                     for p in asked
                     if self.settings.read_ahead
+                    and not self._thinned
                     and p not in self._ahead
                     and p.rank in self._largest
                     and p.blob_key not in self._checked
