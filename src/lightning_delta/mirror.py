@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 
 _IDLE_MOST = 5.0
 """The longest a following mirror waits between polls while the trainer keeps no rhythm (a pause,
-a warm-up): a step after the pause is found at most that late."""
+a warm-up): a step after the pause is found at most that late.  Also the longest between reads of
+a signed run's heartbeat (`Mirror._beat_every`)."""
 
 RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
 """The run-level objects a mirror copies before any step, the manifest first (it says whose run a
@@ -254,13 +255,24 @@ class Mirror:
 
     def follow(self, stop: threading.Event | None = None) -> Iterator[MirrorMetrics]:
         """Mirror until `stop` is set: a pass, its metrics, a pause of `poll_seconds` (longer while
-        the next step is not yet due, if `paced`), again."""
+        the next step is not yet due, if `paced`; a signed run's heartbeat relayed during it, once
+        `_beat_every`), again."""
         stop = stop or threading.Event()
         while not stop.is_set():
             yield self.sync()
             poll = self.settings.poll_seconds
             self._thinned = self.settings.paced and not self._cadence.steady()
-            stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
+            left = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
+            while (beat := self._beat_due()) is not None and not stop.is_set():
+                until = max(0.0, beat - time.monotonic())
+                if until >= left:
+                    break
+                stop.wait(until)  # the heartbeat between passes
+                left -= until
+                if not stop.is_set():
+                    self._relay_heartbeat()  # due
+            if not stop.is_set():
+                stop.wait(left)
 
     def sync(self) -> MirrorMetrics:
         """One pass: copy what the source holds and the mirror does not, then apply retention
@@ -611,17 +623,28 @@ class Mirror:
         else:
             self._same(key, data)
 
+    def _beat_every(self) -> float:
+        """Seconds between reads of the source's heartbeat: once a usual step gap, not at every
+        poll, and at least every `_IDLE_MOST`, so that through a trainer's pause, or between steps
+        longer than that, the heartbeat at the mirror is at most that much older than the source's
+        (for a follower whose `max_heartbeat_age` is below the step gap)."""
+        return min(self._cadence.usual_gap() or _IDLE_MOST, _IDLE_MOST)
+
+    def _beat_due(self) -> float | None:
+        """When (`time.monotonic()`) the heartbeat is next read, in a signed run relayed before."""
+        if self._beat_at is None or self._run is None or self._run.manifest.signer is None:
+            return None
+        return self._beat_at + self._beat_every()
+
     def _relay_heartbeat(self, throttled: bool = False) -> None:
         """Rewrite the mirror's heartbeat with the source's, if it changed (checked first, given
         trusted keys: a forged heartbeat would hide steps withheld).  Only a signed run has one.
-        `throttled`: read it once a usual step gap at most (`poll_seconds` without a rhythm), not
-        at every poll."""
+        `throttled`: read it once `_beat_every` at most, not at every poll."""
         assert self._run is not None  # claimed before
         if self._run.manifest.signer is None:
             return
         now = time.monotonic()
-        every = self._cadence.usual_gap() or self.settings.poll_seconds
-        if throttled and self._beat_at is not None and now - self._beat_at < every:
+        if throttled and self._beat_at is not None and now - self._beat_at < self._beat_every():
             return
         self._beat_at = now
         data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
