@@ -126,6 +126,13 @@ class Cadence:
         gaps = self._gaps(exact=True)
         return len(gaps) >= 2 and min(gaps) > 0 and any(list(self._exact)[-2:])
 
+    def near(self, now: float) -> bool:
+        """Whether the next step may come about now: a rhythm is kept, or, without one, half the
+        usual gap has passed since the newest arrival (none known: a warm-up of unknown length, not
+        near).  A thinned poll before that is most likely a miss."""
+        usual = self.usual_gap()
+        return self.steady() or (usual is not None and now - self._arrivals[-1] >= usual / 2)
+
     def overdue(self, now: float) -> bool:
         """Whether no step has come for twice the chain's usual gap (its median): the next step
         may be at a number the poller did not guess, and a listing would find it."""

@@ -9,7 +9,7 @@ step before it was copied: each step listed at the mirror loads.
 
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
-stride, every rank, all at once while the trainer keeps a rhythm: a step costs one round trip, and a
+stride, every rank, all at once once a step may be near: a step costs one round trip, and a
 blob there before its marker is held until the marker checks it), then looks for the step after
 it (a backlog), unless the one it copied had just come (found just after a pass that missed it:
 the look would be a 404).
@@ -92,9 +92,9 @@ class MirrorSettings:
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
     round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
-    per marker.  Only while the trainer keeps a rhythm: without one (a warm-up, a new pace) polls
-    thin out, most of them misses, and a step found then is late by up to a sixteenth of the wait
-    anyway, so each reads its marker only (one 404, not two).  A blob read before its marker is
+    per marker.  Paced, only once a step may be near (`Cadence.near`): without a rhythm (a
+    warm-up, a new pace) polls thin out and those in the first half of the usual gap are misses
+    nearly always, so each reads its marker only (one 404, not two).  A blob read before its marker is
     held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
     marker is) until the marker is read and checks it."""
 
@@ -232,7 +232,7 @@ class Mirror:
         self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
         self._missed_none = False  # and found nothing of it (not a step partly there)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
-        self._thinned = False  # the pass follows a thinned wait (no rhythm): no blob is read ahead
+        self._paced = False  # following with `paced`: a blob is read ahead only when a step may be near
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -261,7 +261,7 @@ class Mirror:
         while not stop.is_set():
             yield self.sync()
             poll = self.settings.poll_seconds
-            self._thinned = self.settings.paced and not self._cadence.steady()
+            self._paced = self.settings.paced
             left = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
             while (beat := self._beat_due()) is not None and not stop.is_set():
                 until = max(0.0, beat - time.monotonic())
@@ -353,6 +353,7 @@ class Mirror:
         with self._lock:  # blobs read ahead for another step (the guess moved on) are dropped
             self._ahead = {p: b for p, b in self._ahead.items() if p.step == step}
             unseen = not any(p.marker_key in self._markers for p in parts)
+        near = not self._paced or self._cadence.near(time.monotonic())
         # nothing of the step seen yet: one rank's marker (and blob) until it comes, then every
         # rank's at once, so a poll that finds nothing is one or two 404s, not two per rank
         for asked in ([parts[:1]] if unseen and world > 1 else []) + [parts]:
@@ -361,7 +362,7 @@ class Mirror:
                     p
                     for p in asked
                     if self.settings.read_ahead
-                    and not self._thinned
+                    and near
                     and p not in self._ahead
                     and p.rank in self._largest
                     and p.blob_key not in self._checked
