@@ -16,8 +16,9 @@ the look would be a 404).
 Until anything of a step is there, a pass asks for one rank's marker and blob only, then every
 rank's (with several ranks, one round trip more a step): a step not there yet costs two small
 requests (404s), not two per rank, where a listing pass costs three or more round trips one after
-another and grows with the chain.  The source is listed at the first pass, every `list_seconds`,
-when the next step is overdue (it may have another number), after a base (the source's retention
+another and grows with the chain.  The source is listed at the first pass, at each pass while the
+mirror holds no step (passes then thin out as a warm-up goes on), every `list_seconds`, when the
+next step is overdue (it may have another number), after a base (the source's retention
 deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly
 before the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a
 request every `poll_seconds` between them; a trainer whose steps jitter is polled through its
