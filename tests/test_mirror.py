@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -333,6 +334,73 @@ def test_a_paced_mirror_without_a_rhythm_polls_at_least_every_few_seconds(monkey
     assert max(trainer.waits) <= mirror_module._IDLE_MOST
     assert late[3] <= mirror_module._IDLE_MOST
     assert len(trainer.waits) < 3600 / mirror_module._IDLE_MOST * 2  # not a poll every 0.05 s
+
+
+def test_a_paced_mirror_that_holds_no_step_yet_thins_its_listings_through_a_warm_up(monkeypatch):
+    """A mirror that holds no step lists the source at each pass (which step comes first?); through
+    a trainer's 10 s warm-up at a 0.05 s poll that was a listing a poll, about 200.  The polls thin
+    out as the warm-up goes on, as without a rhythm, and the first step is found at most a sixteenth
+    of the wait late."""
+    late, trainer, _ = _paced(monkeypatch, [10.0, 12.0, 14.0])
+    assert trainer.lists_before <= 64, trainer.lists_before  # 203 polling every 0.05 s
+    assert late[1] <= 10.0 / 16 + 0.05, late
+
+
+def test_a_paced_mirror_without_a_rhythm_reads_markers_only_until_a_step_may_be_near(monkeypatch):
+    """Without a rhythm (a warm-up here) polls thin out and most of them miss: until half the usual
+    gap has passed (none known: the whole wait) each asks for the marker only (one 404), not its
+    blob too.  Once a rhythm is kept, each step's blob is read with its marker again."""
+    commits = [10.0 + 2.0 * s for s in range(12)]
+    _, _, watched = _paced(monkeypatch, commits)
+    blob_misses = {s: watched.misses[fmt.blob_path(s, 0, 1)] for s in range(1, len(commits) + 1)}
+    marker_misses = {s: watched.misses[fmt.commit_path(s, 0, 1)] for s in range(1, len(commits) + 1)}
+    assert all(marker_misses[s] > 0 for s in (2, 3)), marker_misses  # thinned polls that missed
+    assert blob_misses[1] == blob_misses[2] == 0 and 0 < 2 * blob_misses[3] <= marker_misses[3], blob_misses
+    assert sum(blob_misses[s] for s in range(6, len(commits) + 1)) > 0, blob_misses  # read ahead again
+
+
+def test_a_paced_mirror_reads_a_signed_runs_heartbeat_every_few_seconds_between_long_steps(monkeypatch, tmp_path):
+    """A signed run's heartbeat was relayed once a usual step gap: between 30 s steps and through a
+    pause, a follower of the mirror whose `max_heartbeat_age` is below the gap saw it stale.  The
+    mirror reads the source's heartbeat at least every `_IDLE_MOST` (waking between passes for it,
+    with no request for a step), and relays it when it changed."""
+    from lightning_delta.signing import keygen
+
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    keygen(str(tmp_path / "trainer"))
+    shared = DictObjects()
+    watched = Recording("dict://home", shared.objects)
+    read_at: list[float] = []
+    get = watched.get
+
+    def timed(key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if key == fmt.HEARTBEAT:
+            read_at.append(clock[0])
+        return get(key, start, end)
+
+    watched.get = timed  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = TinyLM()
+    settings = PublisherSettings(signing_key=str(tmp_path / "trainer"))
+    commits = [30.0 * s for s in range(1, 6)] + [300.0]  # 30 s steps, then a 150 s pause
+    with (
+        DeltaPublisher(Store(shared), model, settings) as publisher,
+        Mirror(Store(watched), Store(DictObjects()), MirrorSettings(poll_seconds=0.05, list_seconds=1e9)) as mirror,
+    ):
+
+        def publish(step: int) -> None:
+            train(None, model, 1, seed=step)
+            publisher.publish(step)
+            publisher.flush()
+
+        trainer = _Trainer(clock, publish, watched, commits)
+        trainer.follow(mirror)
+        assert mirror.destination.objects.get(fmt.HEARTBEAT) is not None  # relayed
+    first = read_at.index(next(t for t in read_at if t >= commits[0]))
+    gaps = [b - a for a, b in itertools.pairwise(read_at[first:])]
+    assert max(gaps) <= mirror_module._IDLE_MOST + 0.05, gaps
+    assert len(gaps) <= 2 * (commits[-1] - commits[0]) / mirror_module._IDLE_MOST, len(gaps)  # not at every poll
 
 
 def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):

@@ -17,9 +17,10 @@ step comes from before a pause (a trainer's warm-up) and is passed over; a step 
 poll only says it came before, so it never anchors that cut (one late find would otherwise delay
 every step after it).  With two gaps only, the shorter one is the rhythm.  A backlog found at once
 (gaps of zero) turns the schedule off until the rhythm is steady again.  Without a rhythm the polls
-thin out as the wait goes on, each a sixteenth of the time since the newest arrival apart: a
-trainer's first steps come after a warm-up of unknown length, and a poll every `poll` through all
-of it is a request each, for a step then found at most a sixteenth of that wait late.
+thin out as the wait goes on, each a sixteenth of the time since the newest arrival apart (before
+any, since the first wait): a trainer's first steps come after a warm-up of unknown length, and a
+poll every `poll` through all of it is a request each (a listing, for a mirror that holds no step
+yet), for a step then found at most a sixteenth of that wait late.
 
 A step found at the first poll came before it, by an unknown amount: a gap that ends (or starts)
 at one is the poller's own schedule, not the trainer's, and a rhythm learned from such gaps holds
@@ -56,6 +57,7 @@ class Cadence:
         self._arrivals: deque[float] = deque(maxlen=keep + 1)  # `keep` gaps
         self._exact: deque[bool] = deque(maxlen=keep + 1)
         self._late, self._idle_most = late, idle_most
+        self._began: float | None = None  # the first wait: a warm-up before any step thins from there
 
     def arrived(self, at: float, exact: bool = True) -> None:
         """A new step was found at `at` (seconds, monotonic); `exact`: just after a poll that did
@@ -79,7 +81,7 @@ class Cadence:
         poller held up after its miss."""
         if missed_at is None:
             return False
-        since = now - self._arrivals[-1] if self._arrivals else 0.0
+        since = now - (self._arrivals[-1] if self._arrivals else self._began or now)
         return now - missed_at <= max(2 * poll, min(since / 8, 2 * self._idle_most))
 
     def _gaps(self, exact: bool = False) -> list[float]:
@@ -91,16 +93,19 @@ class Cadence:
 
     def wait(self, now: float, poll: float) -> float:
         """Seconds until the next poll: `poll`, or longer while the next step is not yet due, less
-        one `poll` of margin (without a rhythm, a sixteenth of the time since the newest arrival).
+        one `poll` of margin (without a rhythm, a sixteenth of the time since the newest arrival, or
+        before any since the first wait).
         Each recent arrival, a usual gap (the median of the exact ones) apart, puts the next step
         somewhere; it is due at the earliest of those places, or with `late` at that quantile.  A
         step found late (it was there at the first poll) neither moves the earliest place later nor
         anchors the cut of places from before a pause, so one late find is not carried over to
         every step."""
+        if self._began is None:
+            self._began = now
         gaps = self._gaps(exact=True)
-        if len(gaps) < 2 or min(gaps) <= 0 or not any(list(self._exact)[-2:]):
-            # no rhythm yet, a backlog found at once, or two steps in a row found at the first poll
-            return max(poll, min((now - self._arrivals[-1]) * _IDLE, self._idle_most)) if self._arrivals else poll
+        if not self.steady():
+            since = now - (self._arrivals[-1] if self._arrivals else self._began)
+            return max(poll, min(since * _IDLE, self._idle_most))
         newest = self._arrivals[-1]
         if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
             return max(poll, newest + min(gaps) - poll - now)
@@ -113,6 +118,20 @@ class Cadence:
         places.sort()
         due = places[int(self._late * (len(places) - 1))]
         return max(poll, due - poll - now)
+
+    def steady(self) -> bool:
+        """Whether the recent steps keep a rhythm `wait` sleeps by: two exact gaps or more, no backlog
+        found at once among them, and not the two newest steps found at the first poll.  Without
+        one, polls thin out (a step found then is late by up to a sixteenth of the wait anyway)."""
+        gaps = self._gaps(exact=True)
+        return len(gaps) >= 2 and min(gaps) > 0 and any(list(self._exact)[-2:])
+
+    def near(self, now: float) -> bool:
+        """Whether the next step may come about now: a rhythm is kept, or, without one, half the
+        usual gap has passed since the newest arrival (none known: a warm-up of unknown length, not
+        near).  A thinned poll before that is most likely a miss."""
+        usual = self.usual_gap()
+        return self.steady() or (usual is not None and now - self._arrivals[-1] >= usual / 2)
 
     def overdue(self, now: float) -> bool:
         """Whether no step has come for twice the chain's usual gap (its median): the next step

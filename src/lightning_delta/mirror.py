@@ -9,14 +9,16 @@ step before it was copied: each step listed at the mirror loads.
 
 Object names are predictable (docs/FORMAT.md), so a following mirror mostly lists nothing: a pass
 GETs the markers and the blobs of the step it expects next (the newest mirrored plus the chain's
-stride, every rank, all at once: a step costs one round trip, and a blob there before its marker is
-held until the marker checks it), then looks for the step after it (a backlog), unless the one it
-copied had just come (found just after a pass that missed it: the look would be a 404).
+stride, every rank, all at once once a step may be near: a step costs one round trip, and a
+blob there before its marker is held until the marker checks it), then looks for the step after
+it (a backlog), unless the one it copied had just come (found just after a pass that missed it:
+the look would be a 404).
 Until anything of a step is there, a pass asks for one rank's marker and blob only, then every
 rank's (with several ranks, one round trip more a step): a step not there yet costs two small
 requests (404s), not two per rank, where a listing pass costs three or more round trips one after
-another and grows with the chain.  The source is listed at the first pass, every `list_seconds`,
-when the next step is overdue (it may have another number), after a base (the source's retention
+another and grows with the chain.  The source is listed at the first pass, at each pass while the
+mirror holds no step (passes then thin out as a warm-up goes on), every `list_seconds`, when the
+next step is overdue (it may have another number), after a base (the source's retention
 deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly
 before the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a
 request every `poll_seconds` between them; a trainer whose steps jitter is polled through its
@@ -57,7 +59,8 @@ log = logging.getLogger(__name__)
 
 _IDLE_MOST = 5.0
 """The longest a following mirror waits between polls while the trainer keeps no rhythm (a pause,
-a warm-up): a step after the pause is found at most that late."""
+a warm-up): a step after the pause is found at most that late.  Also the longest between reads of
+a signed run's heartbeat (`Mirror._beat_every`)."""
 
 RUN_OBJECTS: tuple[str, ...] = (fmt.RUN_MANIFEST,)
 """The run-level objects a mirror copies before any step, the manifest first (it says whose run a
@@ -90,9 +93,11 @@ class MirrorSettings:
     read_ahead: bool = True
     """Found by its names, a step's blobs are read with its markers, at once: a step costs one
     round trip, not two (marker, then blob), and a poll that finds nothing a 404 per object, not
-    per marker.  A blob read before its marker is held (at most the largest delta seen of its rank,
-    a quarter more: a base's rest is read once its marker is) until the marker is read and checks
-    it."""
+    per marker.  Paced, only once a step may be near (`Cadence.near`): without a rhythm (a
+    warm-up, a new pace) polls thin out and those in the first half of the usual gap are misses
+    nearly always, so each reads its marker only (one 404, not two).  A blob read before its marker is
+    held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
+    marker is) until the marker is read and checks it."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -228,6 +233,7 @@ class Mirror:
         self._missed_at: float | None = None  # when the last pass missed the next step (its answer came)
         self._missed_none = False  # and found nothing of it (not a step partly there)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
+        self._paced = False  # following with `paced`: a blob is read ahead only when a step may be near
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -250,12 +256,24 @@ class Mirror:
 
     def follow(self, stop: threading.Event | None = None) -> Iterator[MirrorMetrics]:
         """Mirror until `stop` is set: a pass, its metrics, a pause of `poll_seconds` (longer while
-        the next step is not yet due, if `paced`), again."""
+        the next step is not yet due, if `paced`; a signed run's heartbeat relayed during it, once
+        `_beat_every`), again."""
         stop = stop or threading.Event()
         while not stop.is_set():
             yield self.sync()
             poll = self.settings.poll_seconds
-            stop.wait(self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll)
+            self._paced = self.settings.paced
+            left = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
+            while (beat := self._beat_due()) is not None and not stop.is_set():
+                until = max(0.0, beat - time.monotonic())
+                if until >= left:
+                    break
+                stop.wait(until)  # the heartbeat between passes
+                left -= until
+                if not stop.is_set():
+                    self._relay_heartbeat()  # due
+            if not stop.is_set():
+                stop.wait(left)
 
     def sync(self) -> MirrorMetrics:
         """One pass: copy what the source holds and the mirror does not, then apply retention
@@ -336,6 +354,7 @@ class Mirror:
         with self._lock:  # blobs read ahead for another step (the guess moved on) are dropped
             self._ahead = {p: b for p, b in self._ahead.items() if p.step == step}
             unseen = not any(p.marker_key in self._markers for p in parts)
+        near = not self._paced or self._cadence.near(time.monotonic())
         # nothing of the step seen yet: one rank's marker (and blob) until it comes, then every
         # rank's at once, so a poll that finds nothing is one or two 404s, not two per rank
         for asked in ([parts[:1]] if unseen and world > 1 else []) + [parts]:
@@ -344,6 +363,7 @@ class Mirror:
                     p
                     for p in asked
                     if self.settings.read_ahead
+                    and near
                     and p not in self._ahead
                     and p.rank in self._largest
                     and p.blob_key not in self._checked
@@ -605,17 +625,28 @@ class Mirror:
         else:
             self._same(key, data)
 
+    def _beat_every(self) -> float:
+        """Seconds between reads of the source's heartbeat: once a usual step gap, not at every
+        poll, and at least every `_IDLE_MOST`, so that through a trainer's pause, or between steps
+        longer than that, the heartbeat at the mirror is at most that much older than the source's
+        (for a follower whose `max_heartbeat_age` is below the step gap)."""
+        return min(self._cadence.usual_gap() or _IDLE_MOST, _IDLE_MOST)
+
+    def _beat_due(self) -> float | None:
+        """When (`time.monotonic()`) the heartbeat is next read, in a signed run relayed before."""
+        if self._beat_at is None or self._run is None or self._run.manifest.signer is None:
+            return None
+        return self._beat_at + self._beat_every()
+
     def _relay_heartbeat(self, throttled: bool = False) -> None:
         """Rewrite the mirror's heartbeat with the source's, if it changed (checked first, given
         trusted keys: a forged heartbeat would hide steps withheld).  Only a signed run has one.
-        `throttled`: read it once a usual step gap at most (`poll_seconds` without a rhythm), not
-        at every poll."""
+        `throttled`: read it once `_beat_every` at most, not at every poll."""
         assert self._run is not None  # claimed before
         if self._run.manifest.signer is None:
             return
         now = time.monotonic()
-        every = self._cadence.usual_gap() or self.settings.poll_seconds
-        if throttled and self._beat_at is not None and now - self._beat_at < every:
+        if throttled and self._beat_at is not None and now - self._beat_at < self._beat_every():
             return
         self._beat_at = now
         data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
