@@ -11,7 +11,8 @@ the trainer's checksums catch it, after the elements were decoded and sent).  Ea
 loads step 1; step 3; step 5; step 7 with the last worker failing as it writes what it received,
 after the transfer; step 7 with worker 0 failing as it gathers its peers' elements, before it;
 step 7 again; step 7 with every transfer changed in an element its receiver does not own; step 7
-with worker 0 sending nothing of its first transfer; step 7 again.  Each writes
+with worker 0 sending nothing of its first transfer; step 7 again; step 7 on one decoding thread,
+each payload's pieces held back until the next payload's decode has begun.  Each writes
 OUT/rank-R.json: whether its parameters equal its slices of the trainer's tensors, the error of
 each failed load and the step held after it, and the trainer ranks whose payloads it decompressed.
 """
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import fused
 import jobs
 from conftest import replace_blob
-from lightning_delta import DeltaError, Store, whole_walk
+from lightning_delta import DeltaError, Store, snapshot, whole_walk, whole_write
 from lightning_delta import format as fmt
 from lightning_delta.codec import CodecOptions, Context
 from lightning_delta.publisher import DeltaPublisher, PublisherSettings
@@ -43,7 +45,11 @@ from lightning_delta.whole_write import WholeWriter
 from test_engine import follower as following
 
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
+snapshot.SMALL = 0  # a payload a tensor: a part of several payloads, decoded one after another
 PIECE = 1024
+PIPELINED = 30.0
+"""Seconds a gathered piece waits for the next payload's decode to begin before it goes on unpipelined
+(once: every later piece goes on at once)."""
 """Bytes of a transfer's piece: a few pieces a transfer (a tensor of 48 x 48 elements, 4.6 KB)."""
 
 
@@ -160,6 +166,44 @@ def watched(report: dict[str, Any]) -> Iterator[None]:
         dist.isend, dist.irecv = isend, irecv
 
 
+@contextlib.contextmanager
+def pipelined(report: dict[str, Any]) -> Iterator[None]:
+    """Each payload's pieces wait, as they are gathered for sending, until the decode of the payload
+    after it has begun (at most `PIPELINED` seconds, a guard against a hang, not a timing): on one
+    decoding thread, as a vLLM worker on one core has, that happens only where the next payload is
+    decoded while this one's pieces are sent.  `report["overlapped"]`: for each piece, whether it
+    waited its turn; `report["decodes"]`: the payloads this worker decoded."""
+    walk, gather, threads = WholeWriter.walk, whole_walk.WholeWalk.gather, whole_write._threads
+    began = threading.Condition()
+    order: dict[int, int] = {}  # a walk's id: its place among this worker's decodes
+    decodes = report.setdefault("decodes", [0])
+    overlapped = report.setdefault("overlapped", [])
+
+    def decoding(self: WholeWriter, *args: Any) -> Any:
+        with began:
+            decodes[0] += 1
+            began.notify_all()
+            at = decodes[0]
+        share, walked = walk(self, *args)
+        order[id(walked)] = at
+        return share, walked
+
+    def gathering(self: whole_walk.WholeWalk, *args: Any) -> np.ndarray:
+        at, jobs = order[id(self)], report["jobs"]
+        with began:  # after one wait in vain, the rest go on at once: the step ends well within its timeout
+            wait = PIPELINED if all(overlapped) else 0
+            overlapped.append(began.wait_for(lambda: decodes[0] > at or at == jobs, timeout=wait))
+        return gather(self, *args)
+
+    WholeWriter.walk, whole_walk.WholeWalk.gather = decoding, gathering  # type: ignore[method-assign]
+    whole_write._threads = lambda: 1
+    try:
+        yield
+    finally:
+        WholeWriter.walk, whole_walk.WholeWalk.gather = walk, gather  # type: ignore[method-assign]
+        whole_write._threads = threads
+
+
 def main() -> None:
     store_url, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -183,8 +227,11 @@ def main() -> None:
     report: dict[str, Any] = {"exact": [], "errors": [], "messages": [], "decoded": set()}
     walk_whole = WholeWriter.walk
 
+    calls = [0]
+
     def decoding(self: WholeWriter, trainer: int, *args: Any) -> Any:
         report["decoded"].add(trainer)
+        calls[0] += 1
         return walk_whole(self, trainer, *args)
 
     WholeWriter.walk = decoding  # type: ignore[method-assign]
@@ -250,7 +297,11 @@ def main() -> None:
         WholeWriter.sends = dropping  # type: ignore[method-assign]
     load(7)
     WholeWriter.sends = sends  # type: ignore[method-assign]
+    before = calls[0]
     load(7)
+    report["jobs"] = calls[0] - before  # the payloads this worker decodes in a step of 7
+    with pipelined(report):  # a payload's pieces sent while the next one decodes
+        load(7)
     report["decoded"] = sorted(report["decoded"])
     jobs.report(out, rank, report)
 

@@ -20,7 +20,7 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(workers)]
     for worker, report in enumerate(reports):
         # bit-exact after each base step that loads, the last one after the failures
-        assert report["exact"] == [[1, True], [7, True], [7, True], [7, True]]
+        assert report["exact"] == [[1, True], [7, True], [7, True], [7, True], [7, True]]
         # every worker refuses, with the same error and no step held after it: the part whose bytes
         # do not match its marker (read by worker 1, refused before any byte of it is decoded); the
         # part re-signed over a flipped value (decoded and sent, refused by the group's checksum);
@@ -58,6 +58,12 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
     # and every receive posted before any was written)
     assert before(reports[0]["events"], "send", "gather") and before(reports[1]["events"], "write", "receive")
     assert sum(report.get("corrupted", 0) for report in reports) > 0  # an element its receiver does not own travelled
+    # a payload's pieces are gathered and sent while the next payload decodes, on one decoding
+    # thread: each piece waited for the next decode to begin (before, the next payload was
+    # submitted only once the pieces of this one were sent: every piece waited in vain)
+    for report in reports[:2]:
+        assert report["jobs"] >= 2 and report["decodes"] == [report["jobs"]]
+        assert report["overlapped"] and all(report["overlapped"]), report["overlapped"]
 
 
 def before(events: list[str], first: str, last: str) -> bool:

@@ -95,17 +95,17 @@ class WholeWriter:
             ahead: deque[tuple[int, int, int, Future[tuple[int, whole_walk.WholeWalk]]]] = deque()
             try:
                 queue = iter(jobs if failure is None else ())
-                for job in islice(queue, threads):  # decoded planes held: `threads` payloads' at most
+                for job in islice(queue, threads):  # planes held: `threads` decoding, one sending
                     ahead.append((*job, pool.submit(self.walk, *job[1:], chains[job[1]][0], params, arrays)))
                 while ahead:
                     at, rank, i, future = ahead.popleft()
                     partials[at], walk = future.result()
+                    for job in islice(queue, 1):  # decoded while this one's pieces are gathered and sent
+                        ahead.append((*job, pool.submit(self.walk, *job[1:], chains[job[1]][0], params, arrays)))
                     for peer, _ in self.sends(rank, i):
                         assert scattering is not None  # a worker without a group sends nothing
                         scattering.send(at, peer, functools.partial(walk.gather, self.peers[rank, i][peer]))
                     del walk, future  # its planes
-                    for job in islice(queue, 1):
-                        ahead.append((*job, pool.submit(self.walk, *job[1:], chains[job[1]][0], params, arrays)))
             except Exception as err:
                 failure = failure or err
                 for *_, future in ahead:
