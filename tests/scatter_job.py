@@ -47,10 +47,10 @@ from test_engine import follower as following
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
 snapshot.SMALL = 0  # a payload a tensor: a part of several payloads, decoded one after another
 PIECE = 1024
+"""Bytes of a transfer's piece: a few pieces a transfer (a tensor of 48 x 48 elements, 4.6 KB)."""
 PIPELINED = 30.0
 """Seconds a gathered piece waits for the next payload's decode to begin before it goes on unpipelined
 (once: every later piece goes on at once)."""
-"""Bytes of a transfer's piece: a few pieces a transfer (a tensor of 48 x 48 elements, 4.6 KB)."""
 
 
 def publish(url: str, group: dist.ProcessGroup) -> dict[int, dict[str, torch.Tensor]]:
@@ -141,17 +141,35 @@ def marked(report: dict[str, Any]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def watched(report: dict[str, Any]) -> Iterator[None]:
-    """What this worker does with the pieces, in order (`report["events"]`: "gather", "send" as a
-    piece is posted, "receive" as a receive is posted, "write"), and the largest piece posted
-    either way (`report["largest"]`, bytes)."""
+    """What this worker does with the pieces, in order (`report["events"]`: ["gather", transfer],
+    ["send", transfer] as a piece is posted, ["receive", transfer] as a receive is posted,
+    ["write", transfer]; a transfer is its segment table's id, a receive's known once its piece is
+    written, else None), and the largest piece posted either way (`report["largest"]`, bytes)."""
     gather, write, isend, irecv = whole_walk.WholeWalk.gather, whole_walk.Scattered.apply, dist.isend, dist.irecv
     events = report.setdefault("events", [])
+    sending: dict[int, int] = {}  # a gathered piece's buffer -> its transfer
+    receiving: dict[int, list[Any]] = {}  # a posted receive's buffer -> its event, until written
 
     def watching(call: Any, what: str) -> Any:
         def watched(*args: Any, **kwargs: Any) -> Any:
+            event: list[Any] = [what, None]
             if isinstance(args[0], torch.Tensor):
                 report["largest"] = max(report.get("largest", 0), args[0].numel() * args[0].element_size())
-            events.append(what)
+                if what == "send":
+                    event[1] = sending.pop(args[0].data_ptr(), None)
+                else:
+                    receiving[args[0].data_ptr()] = event
+            elif what == "gather":
+                out = kwargs.get("out", args[3] if len(args) > 3 else None)
+                event[1] = id(args[1])
+                if out is not None:
+                    sending[out.ctypes.data] = event[1]
+            else:  # a written piece: its receive's transfer too
+                event[1] = id(args[0]._segments)
+                received = receiving.pop(args[0]._values.ctypes.data, None)
+                if received is not None:
+                    received[1] = event[1]
+            events.append(event)
             return call(*args, **kwargs)
 
         return watched

@@ -4,6 +4,7 @@ scattered by owner (`lightning_delta.scatter`), with real gloo ranks (tests/scat
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -53,9 +54,9 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         assert 0 < report["largest"] <= 1024
     # the failures were mid-transfer: at the second piece, a first one gone
     assert reports[-1]["written before failing"] == 2 and reports[0]["gathered before failing"] == 2
-    # pipelined: worker 0 sends a piece before it gathers its last, and worker 1 writes a piece
-    # before it posts its last receive (before, every element was gathered before any was sent,
-    # and every receive posted before any was written)
+    # pipelined within a transfer: worker 0 sends a piece of one before it gathers that transfer's
+    # last, and worker 1 writes a piece of one before it posts that transfer's last receive (before,
+    # every element was gathered before any was sent, and every receive posted before any written)
     assert before(reports[0]["events"], "send", "gather") and before(reports[1]["events"], "write", "receive")
     assert sum(report.get("corrupted", 0) for report in reports) > 0  # an element its receiver does not own travelled
     # a payload's pieces are gathered and sent while the next payload decodes, on one decoding
@@ -66,9 +67,13 @@ def test_a_base_step_is_decoded_once_per_part_and_every_failure_is_refused_by_ev
         assert report["overlapped"] and all(report["overlapped"]), report["overlapped"]
 
 
-def before(events: list[str], first: str, last: str) -> bool:
-    """Whether a `first` event comes before the last `last` event."""
-    return first in events[: len(events) - 1 - events[::-1].index(last)]
+def before(events: list[list[Any]], first: str, last: str) -> bool:
+    """Whether, in some transfer, a `first` event comes before that transfer's last `last` event."""
+    for transfer in {t for what, t in events if what == last and t is not None}:
+        last_at = max(i for i, event in enumerate(events) if event == [last, transfer])
+        if [first, transfer] in events[:last_at]:
+            return True
+    return False
 
 
 def test_a_piece_too_small_for_an_element_or_no_piece_in_flight_is_refused():
