@@ -45,7 +45,9 @@ from lightning_delta.whole_write import WholeWriter
 from test_engine import follower as following
 
 fused.HIDDEN = 48  # rows that 2 and 3 workers split evenly
-snapshot.SMALL = 0  # a payload a tensor: a part of several payloads, decoded one after another
+# q, k, v and o a payload each, the norm and the rope one together: a part of several payloads,
+# decoded one after another, one of them spanning two tensors
+snapshot.SMALL = fused.DIM
 PIECE = 1024
 """Bytes of a transfer's piece: a few pieces a transfer (a tensor of 48 x 48 elements, 4.6 KB)."""
 PIPELINED = 30.0
