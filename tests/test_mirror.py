@@ -331,7 +331,7 @@ def test_a_paced_mirror_without_a_rhythm_polls_at_least_every_few_seconds(monkey
     after an hour's pause is found within that (it was 54 s late)."""
     commits = [0.0, 1.0, 3601.0, 3603.0, 3605.0]
     late, trainer, _ = _paced(monkeypatch, commits)
-    assert max(trainer.waits) <= mirror_module._IDLE_MOST
+    assert max(trainer.waits) <= mirror_module._IDLE_MOST + 1e-9  # the fixed end, in floating point
     assert late[3] <= mirror_module._IDLE_MOST
     assert len(trainer.waits) < 3600 / mirror_module._IDLE_MOST * 2  # not a poll every 0.05 s
 
@@ -401,6 +401,50 @@ def test_a_paced_mirror_reads_a_signed_runs_heartbeat_every_few_seconds_between_
     gaps = [b - a for a, b in itertools.pairwise(read_at[first:])]
     assert max(gaps) <= mirror_module._IDLE_MOST + 0.05, gaps
     assert len(gaps) <= 2 * (commits[-1] - commits[0]) / mirror_module._IDLE_MOST, len(gaps)  # not at every poll
+
+
+def test_a_heartbeat_read_between_passes_does_not_delay_the_next_pass(monkeypatch, tmp_path):
+    """The sleep the cadence asks for ends when it said, however long the heartbeat reads woken
+    for during it take: each read's round trip was added to the sleep, so with 30 s steps every
+    pass came 1.2 s late (six reads of 0.2 s), and steps found late reset the rhythm."""
+    from lightning_delta.signing import keygen
+
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    keygen(str(tmp_path / "trainer"))
+    shared = DictObjects()
+    watched = Recording("dict://home", shared.objects)
+    get = watched.get
+
+    def timed(key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if key == fmt.HEARTBEAT:
+            clock[0] += 0.2  # its round trip to the source
+        return get(key, start, end)
+
+    watched.get = timed  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    settings = PublisherSettings(signing_key=str(tmp_path / "trainer"))
+    with (
+        DeltaPublisher(Store(shared), TinyLM(), settings) as publisher,
+        Mirror(Store(watched), Store(DictObjects()), MirrorSettings(poll_seconds=0.05, list_seconds=1e9)) as mirror,
+    ):
+        publisher.publish(1)
+        publisher.flush()
+        monkeypatch.setattr(mirror._cadence, "wait", lambda now, poll: 30.0)
+        passes: list[float] = []
+
+        class Stop:
+            def is_set(self) -> bool:
+                return len(passes) >= 4
+
+            def wait(self, seconds: float) -> bool:
+                clock[0] += seconds
+                return False
+
+        for _ in mirror.follow(Stop()):  # type: ignore[arg-type]
+            passes.append(clock[0])
+    gaps = [b - a for a, b in itertools.pairwise(passes)]
+    assert all(30.0 <= gap <= 30.0 + 0.2 + 1e-9 for gap in gaps), gaps  # a read in the pass at most
 
 
 def test_a_step_found_by_its_names_past_one_the_mirror_lacks_is_not_copied_before_it(monkeypatch):

@@ -81,7 +81,7 @@ class Cadence:
         poller held up after its miss."""
         if missed_at is None:
             return False
-        since = now - (self._arrivals[-1] if self._arrivals else self._began or now)
+        since = now - (self._arrivals[-1] if self._arrivals else now if self._began is None else self._began)
         return now - missed_at <= max(2 * poll, min(since / 8, 2 * self._idle_most))
 
     def _gaps(self, exact: bool = False) -> list[float]:

@@ -263,17 +263,14 @@ class Mirror:
             yield self.sync()
             poll = self.settings.poll_seconds
             self._paced = self.settings.paced
-            left = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
-            while (beat := self._beat_due()) is not None and not stop.is_set():
-                until = max(0.0, beat - time.monotonic())
-                if until >= left:
-                    break
-                stop.wait(until)  # the heartbeat between passes
-                left -= until
+            wait = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
+            end = time.monotonic() + wait  # fixed: a heartbeat's read between passes does not delay the next
+            while (beat := self._beat_due()) is not None and beat < end and not stop.is_set():
+                stop.wait(max(0.0, beat - time.monotonic()))  # the heartbeat between passes
                 if not stop.is_set():
                     self._relay_heartbeat()  # due
             if not stop.is_set():
-                stop.wait(left)
+                stop.wait(max(0.0, end - time.monotonic()))
 
     def sync(self) -> MirrorMetrics:
         """One pass: copy what the source holds and the mirror does not, then apply retention
@@ -630,7 +627,7 @@ class Mirror:
         poll, and at least every `_IDLE_MOST`, so that through a trainer's pause, or between steps
         longer than that, the heartbeat at the mirror is at most that much older than the source's
         (for a follower whose `max_heartbeat_age` is below the step gap)."""
-        return min(self._cadence.usual_gap() or _IDLE_MOST, _IDLE_MOST)
+        return max(self.settings.poll_seconds, min(self._cadence.usual_gap() or _IDLE_MOST, _IDLE_MOST))
 
     def _beat_due(self) -> float | None:
         """When (`time.monotonic()`) the heartbeat is next read, in a signed run relayed before."""
