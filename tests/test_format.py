@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_delta import format as fmt
 from lightning_delta import records
-from lightning_delta.errors import ChecksumError, FormatError
+from lightning_delta.errors import ChainError, ChecksumError, FormatError
 
 DIGEST = "ab" * 32
 
@@ -792,3 +792,11 @@ def test_a_blob_is_encoded_only_as_its_header_and_table_describe():
     for h, payloads, probe in [(one, [b"abcd"], None), (one, [b"abcd"], (1.0, 2.0)), (header(), [b"abc"], None)]:
         with pytest.raises(ValueError, match=r"^the header and table do not describe the probe and payloads given$"):
             fmt.encode_blob(h, [ENTRY], payloads, probe)
+
+
+def test_a_foreign_part_names_both_runs_abbreviated():
+    run = fmt.decode_manifest(fmt.encode_manifest(manifest()))
+    blob = fmt.encode_blob(header(step=3, world_size=2), [fmt.PayloadEntry(0, 0, 7)], [b""])
+    foreign = rf"^is a part of another run \(its manifest {DIGEST[:12]}\.\.\., the prefix's {run.sha256[:12]}\.\.\., "
+    with pytest.raises(ChainError, match=foreign + r"run run\): a foreign part$"):
+        fmt.parse_part(blob, fmt.PartRef(3, fmt.Kind.BASE, None, len(blob)), 0, run)
