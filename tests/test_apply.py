@@ -164,11 +164,19 @@ def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fa
     assert isinstance(apply.walker(ApplyBackend.DEVICE, gpu), apply.TorchWalker)  # the context survived: torch
     assert synced == [gpu]
 
+    error = "CUDA error: an illegal memory access was encountered" + " (the driver's report)" * 20
+
     def broken(device: torch.device) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError(error)
 
     monkeypatch.setattr(torch.cuda, "synchronize", broken)
-    with pytest.raises(DeviceError, match=r"left its CUDA context broken \(RuntimeError: CUDA error.*restart"):
+    message = (
+        "the device walk's Triton kernels failed their proof on cuda:0 (the kernels raised RuntimeError: illegal "
+        f"address) and left its CUDA context broken (RuntimeError: {error[:300]}): nothing can write there, torch "
+        "included; restart the process, with apply=ApplyBackend.TORCH (init_info apply: torch) to skip the "
+        "kernels, and please report it with your GPU, torch and triton versions"
+    )
+    with pytest.raises(DeviceError, match=f"^{re.escape(message)}$"):
         apply.walker(ApplyBackend.DEVICE, gpu)
 
 
