@@ -154,6 +154,16 @@ def test_kernels_that_fail_their_proof_leave_the_follower_on_torch_and_exact(sto
     assert walked == []
 
 
+def test_a_cuda_device_named_without_an_index_is_walked_on_the_current_one(monkeypatch):
+    """A table's parameters are on one device, by index: `cuda` alone is the current device."""
+    proved: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(device_walk, "prove", lambda device: proved.append(device))  # None: the kernels passed
+    walker = apply.walker(ApplyBackend.DEVICE, CUDA)
+    assert isinstance(walker, apply.DeviceWalker) and walker.device == torch.device("cuda", 1) == proved[0]
+    assert len(proved) == 1
+
+
 def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fallback(monkeypatch):
     """After a kernel's illegal address the context is gone: torch could not write either, so
     the follower refuses to start rather than promise torch."""
