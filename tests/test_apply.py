@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import re
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -58,13 +59,15 @@ def test_each_device_takes_the_walk_that_runs_there_by_default(monkeypatch):
 
 
 def test_a_backend_that_cannot_run_where_it_is_asked_to_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match="CPU parameters"):
+    with pytest.raises(ValueError, match=r"^the CPU walk writes CPU parameters with numba, not parameters on cuda$"):
         apply.walker(ApplyBackend.CPU_WALK, CUDA)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+    interpreter = "the device walk runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)"
+    with pytest.raises(ValueError, match=f"^{re.escape(interpreter)}$"):
         apply.walker(ApplyBackend.DEVICE, CPU)
     monkeypatch.setattr(device_walk, "AVAILABLE", False)
-    with pytest.raises(ValueError, match="triton"):
+    triton = "the device walk needs triton (pip install triton; it ships with CUDA builds of torch)"
+    with pytest.raises(ValueError, match=f"^{re.escape(triton)}$"):
         apply.walker(ApplyBackend.DEVICE, CUDA)
 
 
@@ -151,6 +154,16 @@ def test_kernels_that_fail_their_proof_leave_the_follower_on_torch_and_exact(sto
     assert walked == []
 
 
+def test_a_cuda_device_named_without_an_index_is_walked_on_the_current_one(monkeypatch):
+    """A table's parameters are on one device, by index: `cuda` alone is the current device."""
+    proved: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(device_walk, "prove", lambda device: proved.append(device))  # None: the kernels passed
+    walker = apply.walker(ApplyBackend.DEVICE, CUDA)
+    assert isinstance(walker, apply.DeviceWalker) and walker.device == torch.device("cuda", 1) == proved[0]
+    assert len(proved) == 1
+
+
 def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fallback(monkeypatch):
     """After a kernel's illegal address the context is gone: torch could not write either, so
     the follower refuses to start rather than promise torch."""
@@ -161,11 +174,19 @@ def test_a_failed_proof_that_broke_the_cuda_context_is_an_error_at_init_not_a_fa
     assert isinstance(apply.walker(ApplyBackend.DEVICE, gpu), apply.TorchWalker)  # the context survived: torch
     assert synced == [gpu]
 
+    error = "CUDA error: an illegal memory access was encountered" + " (the driver's report)" * 20
+
     def broken(device: torch.device) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError(error)
 
     monkeypatch.setattr(torch.cuda, "synchronize", broken)
-    with pytest.raises(DeviceError, match=r"left its CUDA context broken \(RuntimeError: CUDA error.*restart"):
+    message = (
+        "the device walk's Triton kernels failed their proof on cuda:0 (the kernels raised RuntimeError: illegal "
+        f"address) and left its CUDA context broken (RuntimeError: {error[:300]}): nothing can write there, torch "
+        "included; restart the process, with apply=ApplyBackend.TORCH (init_info apply: torch) to skip the "
+        "kernels, and please report it with your GPU, torch and triton versions"
+    )
+    with pytest.raises(DeviceError, match=f"^{re.escape(message)}$"):
         apply.walker(ApplyBackend.DEVICE, gpu)
 
 

@@ -768,3 +768,22 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]
+
+
+def test_a_full_check_whose_weights_cannot_be_listed_raises_that_error(store_url):
+    """`verify` rehashes every payload held; where the engine cannot list its parameters (weights
+    released, say), it raises that error rather than passing over nothing (#39: with the failure
+    dropped in `checks.check_held`, `verify` passed)."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(2)
+    live.verify()
+
+    def released() -> dict[str, torch.Tensor]:
+        raise RuntimeError("the weights were released")
+
+    live._params = released
+    with pytest.raises(RuntimeError, match=r"^the weights were released$"):
+        live.verify()
+    assert live.held_step == 2 and exact(engine, truth[2])

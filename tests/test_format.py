@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_delta import format as fmt
 from lightning_delta import records
-from lightning_delta.errors import ChecksumError, FormatError
+from lightning_delta.errors import ChainError, ChecksumError, FormatError
 
 DIGEST = "ab" * 32
 
@@ -485,3 +487,316 @@ def test_signature_fields_are_bounded(change, message):
     with pytest.raises(FormatError):
         fmt.decode_commit(json.dumps({**v2, "signature": "0" * 128}).encode())
     assert fmt.decode_commit(json.dumps(v2).encode()).signature is None
+
+
+# ----------------------------------------------------------------------------- every rule at its bound
+# #39's format.py survivors: each record's rules accepted at their bound, refused one past it, with
+# the whole message a user reads (a rule whose bound or message moved would pass a looser test).
+
+SIGNATURE = "0123456789abcdef" * 8
+SIGNER = "ed25519:" + "0123456789abcdef" * 4
+
+
+def _refuses(record, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        record.check()
+
+
+def test_a_commit_markers_rules_are_exact():
+    base = fmt.CommitMarker(0, "0" * 64, fmt.Kind.BASE, None)
+    delta = dataclasses.replace(base, kind=fmt.Kind.DELTA, prev_step=0)
+    for good in [
+        base,
+        dataclasses.replace(base, size=fmt.MAX_OBJECT_BYTES, sha256="f" * 64, signature=SIGNATURE),
+        dataclasses.replace(base, format="lightning_delta.commit/2"),
+        delta,
+        dataclasses.replace(delta, prev_step=fmt.MAX_STEP),
+    ]:
+        good.check()
+    v2 = "lightning_delta.commit/2"
+    for bad, message in [
+        (
+            dataclasses.replace(base, format="lightning_delta.commit/4"),
+            f"format 'lightning_delta.commit/4', expected 'lightning_delta.commit/3' (or '{v2}')",
+        ),
+        (dataclasses.replace(base, format=v2, signature=SIGNATURE), "a signature in a version 2 marker"),
+        (dataclasses.replace(base, signature=SIGNATURE[:-1]), "malformed signature"),
+        (dataclasses.replace(base, signature=SIGNATURE.upper()), "malformed signature"),
+        (dataclasses.replace(base, size=-1), "size -1"),
+        (dataclasses.replace(base, size=fmt.MAX_OBJECT_BYTES + 1), f"size {fmt.MAX_OBJECT_BYTES + 1}"),
+        (dataclasses.replace(base, sha256="0" * 63), "sha256 is not 64 lower-case hex digits"),
+        (dataclasses.replace(base, prev_step=0), "a base with prev_step"),
+        (dataclasses.replace(delta, prev_step=None), "a delta with prev_step"),
+        (dataclasses.replace(delta, prev_step=-1), "prev_step -1"),
+        (dataclasses.replace(delta, prev_step=fmt.MAX_STEP + 1), f"prev_step {fmt.MAX_STEP + 1}"),
+    ]:
+        _refuses(bad, message)
+
+
+MARKER_V2 = {"format": "lightning_delta.commit/2", "kind": "delta", "prev_step": 3, "sha256": "0" * 64, "size": 9}
+MARKER_KEYS = "['format', 'kind', 'prev_step', 'sha256', 'signature', 'size']"
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({**MARKER_V2, "format": "lightning_delta.commit/3", "signature": None, "size": -1}, "size -1"),
+        ({**MARKER_V2, "size": -1}, "size -1"),  # a version 2 marker's own error, not the keys it lacks
+        (
+            {**MARKER_V2, "format": "lightning_delta.commit/3"},
+            "format 'lightning_delta.commit/3', expected 'lightning_delta.commit/3'",
+        ),
+        ({**MARKER_V2, "signature": SIGNATURE}, "a signature in a version 2 marker"),
+        ({"size": 9}, f"CommitMarker must hold exactly the keys {MARKER_KEYS}, got ['size']"),
+    ],
+)
+def test_a_commit_markers_error_is_the_one_of_the_version_it_has_the_keys_of(raw, message):
+    with pytest.raises(FormatError, match=f"^commit marker is malformed: {re.escape(message)}$"):
+        fmt.decode_commit(json.dumps(raw).encode())
+
+
+def test_a_version_2_marker_reads_as_an_unsigned_marker_of_its_format():
+    marker = fmt.decode_commit(json.dumps(MARKER_V2).encode())
+    assert marker == fmt.CommitMarker(9, "0" * 64, fmt.Kind.DELTA, 3, "lightning_delta.commit/2", None)
+    signed = fmt.CommitMarker(9, "0" * 64, fmt.Kind.DELTA, 3, signature=SIGNATURE)
+    assert fmt.decode_commit(records.dumps(signed)) == signed
+
+
+def test_a_part_headers_rules_are_exact():
+    delta = header(kind=fmt.Kind.DELTA, step=5, prev_step=4)
+    for good in [
+        header(step=0),
+        header(step=fmt.MAX_STEP, rank=fmt.MAX_WORLD_SIZE - 1, world_size=fmt.MAX_WORLD_SIZE, probe=fmt.MAX_PROBE),
+        delta,
+        dataclasses.replace(delta, prev_step=0),
+    ]:
+        good.check()
+    for bad, message in [
+        (header(format="lightning_delta/4"), "format 'lightning_delta/4'; this reader understands 'lightning_delta/5'"),
+        (header(manifest=DIGEST[:-1]), "manifest is not 64 lower-case hex digits"),
+        (header(step=-1), "step -1"),
+        (header(step=fmt.MAX_STEP + 1), f"step {fmt.MAX_STEP + 1}"),
+        (header(rank=-1), "rank -1 of 1"),
+        (header(rank=1), "rank 1 of 1"),
+        (header(world_size=fmt.MAX_WORLD_SIZE + 1), f"rank 0 of {fmt.MAX_WORLD_SIZE + 1}"),
+        (header(prev_step=0), "a base with a prev_step"),
+        (dataclasses.replace(delta, prev_step=None), "prev_step None"),
+        (dataclasses.replace(delta, prev_step=5), "prev_step 5"),
+        (dataclasses.replace(delta, prev_step=-1), "prev_step -1"),
+        (header(probe=-1), "probe of -1 values"),
+        (header(probe=fmt.MAX_PROBE + 1), f"probe of {fmt.MAX_PROBE + 1} values"),
+    ]:
+        _refuses(bad, message)
+
+
+def test_a_payload_entrys_rules_are_exact():
+    fmt.PayloadEntry(fmt.MAX_OBJECT_BYTES, fmt.MAX_ELEMENTS, 2**64 - 1).check()
+    _refuses(fmt.PayloadEntry(fmt.MAX_OBJECT_BYTES + 1, 0, 0), f"payload of {fmt.MAX_OBJECT_BYTES + 1} bytes")
+    _refuses(fmt.PayloadEntry(0, fmt.MAX_ELEMENTS + 1, 0), f"payload with {fmt.MAX_ELEMENTS + 1} changes")
+
+
+def test_a_tensor_specs_rules_are_exact():
+    for good in [
+        fmt.TensorSpec("n" * 1024, "float16", (fmt.MAX_ELEMENTS,)),
+        fmt.TensorSpec("w", "bfloat16", (0, fmt.MAX_ELEMENTS)),
+        fmt.TensorSpec("w", "bfloat16", (2**20, 2**20)),
+    ]:
+        good.check()
+    for bad, message in [
+        (fmt.TensorSpec("", "bfloat16", (1,)), "tensor name of 0 characters"),
+        (fmt.TensorSpec("n" * 1025, "bfloat16", (1,)), "tensor name of 1025 characters"),
+        (fmt.TensorSpec("w", "int16", (1,)), "tensor 'w': dtype 'int16'"),
+        (fmt.TensorSpec("w", "bfloat16", (2, -1)), "tensor 'w': shape (2, -1)"),
+        (fmt.TensorSpec("w", "bfloat16", (fmt.MAX_ELEMENTS + 1,)), f"tensor 'w': shape ({fmt.MAX_ELEMENTS + 1},)"),
+        (
+            fmt.TensorSpec("w", "bfloat16", (2**20, 2**20 + 1)),
+            f"tensor 'w': shape (1048576, 1048577) over {fmt.MAX_ELEMENTS} elements",
+        ),
+    ]:
+        _refuses(bad, message)
+
+
+def test_a_run_manifests_rules_are_exact():
+    wide = fmt.RunManifest(
+        "r" * 128,
+        fmt.MAX_WORLD_SIZE,
+        1.5,
+        (fmt.TensorSpec("w", "bfloat16", (fmt.MAX_ELEMENTS,)),),
+        (((fmt.SliceSpec(0, 0, fmt.MAX_ELEMENTS),),),) + ((),) * (fmt.MAX_WORLD_SIZE - 1),
+    )
+    # a rank holding every element allowed; a slice of no elements anywhere in a tensor
+    zero = ((fmt.SliceSpec(1, 0, 4), fmt.SliceSpec(1, 5, 0)),)
+    for good in [
+        wide,
+        manifest(world_size=2, ranks=(zero, manifest().ranks[1])),
+        manifest(format="lightning_delta.run/2"),
+    ]:
+        good.check()
+    held = manifest().ranks[1]
+    over = (fmt.TensorSpec("a", "bfloat16", (fmt.MAX_ELEMENTS,)), fmt.TensorSpec("b", "bfloat16", (1,)))
+    for bad, message in [
+        (
+            manifest(format="lightning_delta.run/4"),
+            "format 'lightning_delta.run/4'; this reader understands 'lightning_delta.run/3' and "
+            "'lightning_delta.run/2'",
+        ),
+        (manifest(part_format="lightning_delta/4"), "parts of format 'lightning_delta/4', not 'lightning_delta/5'"),
+        (manifest(run_id="r" * 129), f"run_id {'r' * 40!r}"),
+        (manifest(run_id="a/b"), "run_id 'a/b'"),
+        (manifest(world_size=0, ranks=()), "world_size 0"),
+        (manifest(world_size=fmt.MAX_WORLD_SIZE + 1), f"world_size {fmt.MAX_WORLD_SIZE + 1}"),
+        (manifest(world_size=1), "layouts of 2 ranks for 1"),
+        (
+            manifest(tensors=(fmt.TensorSpec("b", "bfloat16", (3,)), fmt.TensorSpec("b", "bfloat16", (6,)))),
+            "a tensor name repeats",
+        ),
+        (manifest(ranks=(((fmt.SliceSpec(1, 0, 4),), ()), held)), "rank 0 payload 1 holds no slice"),
+        (manifest(ranks=(((fmt.SliceSpec(-1, 0, 4),),), held)), "rank 0 payload 0: tensor -1"),
+        (manifest(ranks=(((fmt.SliceSpec(2, 0, 4),),), held)), "rank 0 payload 0: tensor 2"),
+        (manifest(ranks=(((fmt.SliceSpec(1, -1, 4),),), held)), "rank 0: slice [-1, +4) of 'w' (2, 3)"),
+        (manifest(ranks=(((fmt.SliceSpec(1, 0, -1),),), held)), "rank 0: slice [0, +-1) of 'w' (2, 3)"),
+        (manifest(ranks=(((fmt.SliceSpec(1, 0, 7),),), held)), "rank 0: slice [0, +7) of 'w' (2, 3)"),
+        (
+            manifest(tensors=(fmt.TensorSpec("b", "float16", (3,)), fmt.TensorSpec("w", "bfloat16", (2, 3)))),
+            "rank 1 payload 0 mixes dtypes",
+        ),
+        (
+            manifest(
+                world_size=1, tensors=over, ranks=(((fmt.SliceSpec(0, 0, fmt.MAX_ELEMENTS), fmt.SliceSpec(1, 0, 1)),),)
+            ),
+            f"rank 0 holds {fmt.MAX_ELEMENTS + 1} elements, over {fmt.MAX_ELEMENTS}",
+        ),
+        (
+            manifest(tensors=(*manifest().tensors, fmt.TensorSpec("x", "bfloat16", (0,)))),
+            "no rank holds tensor 'x'",
+        ),
+        (manifest(ranks=(((fmt.SliceSpec(1, 0, 3),),), held)), "'w': slices leave a gap or overlap at element 3"),
+        (
+            manifest(ranks=(((fmt.SliceSpec(1, 0, 5),),), ((fmt.SliceSpec(0, 0, 3),),))),
+            "'w': slices cover 5 of 6 elements",
+        ),
+    ]:
+        _refuses(bad, message)
+
+
+@pytest.mark.parametrize(
+    "signer, signature, may_sign, message",
+    [
+        (SIGNER, None, True, "a signer without a signature, or a signature without one"),
+        (None, SIGNATURE, True, "a signer without a signature, or a signature without one"),
+        (SIGNER, SIGNATURE, False, "a signature in a version 2 manifest"),
+        (SIGNER[:-1], SIGNATURE, True, "signer is not 'ed25519:' and 64 hex digits"),
+        (SIGNER, SIGNATURE[:-1], True, "malformed signature"),
+    ],
+)
+def test_a_signed_manifests_fields_are_exact(signer, signature, may_sign, message):
+    fmt._check_signed(SIGNER, SIGNATURE, True)
+    fmt._check_signed(None, None, False)
+    _refuses(
+        manifest(signer=signer, signature=signature, format=fmt.RUN_FORMAT if may_sign else "lightning_delta.run/2"),
+        message,
+    )
+
+
+def test_a_version_2_manifest_reads_as_an_unsigned_manifest_and_keeps_its_errors():
+    raw = json.loads(fmt.encode_manifest(manifest()))
+    del raw["signer"], raw["signature"]
+    v2 = {**raw, "format": "lightning_delta.run/2"}
+    data = json.dumps(v2).encode()
+    run = fmt.decode_manifest(data)
+    assert run.manifest == manifest(format="lightning_delta.run/2") and run.sha256 == hashlib.sha256(data).hexdigest()
+    assert run.numel(0) == 4 and run.numel(1) == 5
+    for bad, message in [
+        ({**v2, "world_size": 3}, "layouts of 2 ranks for 3"),  # its own error, not the keys it lacks
+        (raw, "format 'lightning_delta.run/3', expected 'lightning_delta.run/3'"),
+        ({"run_id": "r"}, "RunManifest must hold exactly the keys"),
+    ]:
+        with pytest.raises(FormatError, match=f"^run manifest is malformed: {re.escape(message)}"):
+            fmt.decode_manifest(json.dumps(bad).encode())
+
+
+def test_only_a_signed_manifest_or_heartbeat_must_be_canonical():
+    unsigned = fmt.encode_manifest(manifest())
+    spaced = json.dumps(json.loads(unsigned)).encode()
+    assert spaced != unsigned and fmt.decode_manifest(spaced).sha256 == hashlib.sha256(spaced).hexdigest()
+    assert fmt.decode_manifest(GOLDEN_SIGNED_MANIFEST).manifest.signature is not None
+    with pytest.raises(
+        FormatError, match=r"^a signed run manifest must be stored in its canonical encoding \(section 10\)$"
+    ):
+        fmt.decode_manifest(json.dumps(json.loads(GOLDEN_SIGNED_MANIFEST)).encode())
+    beat = fmt.Heartbeat("run", DIGEST, 5, 1.5)
+    assert fmt.decode_heartbeat(json.dumps(json.loads(records.dumps(beat))).encode()) == beat
+    signed = dataclasses.replace(beat, signature=SIGNATURE)
+    assert fmt.decode_heartbeat(records.dumps(signed)) == signed
+    with pytest.raises(
+        FormatError, match=r"^a signed heartbeat must be stored in its canonical encoding \(section 10\)$"
+    ):
+        fmt.decode_heartbeat(json.dumps(json.loads(records.dumps(signed))).encode())
+    with pytest.raises(FormatError, match=r"^heartbeat is malformed: step -1$"):
+        fmt.decode_heartbeat(records.dumps(dataclasses.replace(beat, step=-1)))
+    with pytest.raises(FormatError, match=rf"^heartbeat is {fmt.MAX_MARKER_BYTES + 1} bytes, more than the "):
+        fmt.decode_heartbeat(records.dumps(beat).ljust(fmt.MAX_MARKER_BYTES + 1))
+    fmt.decode_heartbeat(records.dumps(beat).ljust(fmt.MAX_MARKER_BYTES))
+
+
+def test_a_heartbeats_rules_are_exact():
+    beat = fmt.Heartbeat("r" * 128, DIGEST, None, 1.5)
+    for good in [
+        beat,
+        dataclasses.replace(beat, step=0),
+        dataclasses.replace(beat, step=fmt.MAX_STEP, signature=SIGNATURE),
+    ]:
+        good.check()
+    for bad, message in [
+        (
+            dataclasses.replace(beat, format="lightning_delta.heartbeat/2"),
+            "format 'lightning_delta.heartbeat/2', expected 'lightning_delta.heartbeat/1'",
+        ),
+        (dataclasses.replace(beat, run_id="r" * 129), f"run_id {'r' * 40!r}"),
+        (dataclasses.replace(beat, run_id=""), "run_id ''"),
+        (dataclasses.replace(beat, manifest=DIGEST.upper()), "manifest is not 64 lower-case hex digits"),
+        (dataclasses.replace(beat, step=-1), "step -1"),
+        (dataclasses.replace(beat, step=fmt.MAX_STEP + 1), f"step {fmt.MAX_STEP + 1}"),
+        (dataclasses.replace(beat, signature=SIGNATURE + "0"), "malformed signature"),
+    ]:
+        _refuses(bad, message)
+
+
+def test_what_is_signed_leaves_the_signature_out():
+    signed = manifest(signer=SIGNER, signature=SIGNATURE)
+    assert fmt.run_signed_bytes(signed) == records.dumps(manifest(signer=SIGNER))
+    beat = fmt.Heartbeat("run", DIGEST, 5, 1.5)
+    assert fmt.heartbeat_signed_bytes(dataclasses.replace(beat, signature=SIGNATURE)) == records.dumps(beat)
+
+
+def test_small_helpers_say_what_they_refuse():
+    assert fmt.check_run_id("r" * 128) == "r" * 128
+    with pytest.raises(ValueError, match=r"^run_id must be 1-128 letters, digits, '\.', '_' or '-', got 'a/b'$"):
+        fmt.check_run_id("a/b")
+    assert fmt.DType.of("float16") is fmt.DType.float16 and fmt.DType.of(torch.int16) is fmt.DType.int16
+    with pytest.raises(
+        ValueError, match=r"^torch\.float32 is not a 16-bit type of this format \(bfloat16, float16, int16\)$"
+    ):
+        fmt.DType.of(torch.float32)
+    assert [fmt.DType.from_code(c) for c in (1, 2, 3)] == list(fmt.DType)
+    with pytest.raises(ValueError, match=r"^dtype code 4$"):
+        fmt.DType.from_code(4)
+    assert fmt.parse_part_name("rank-99998-of-99999.ldelta.commit") == (99_998, 99_999, False)
+    assert fmt.parse_part_name("rank-00000-of-00000.ldelta.commit") is None
+
+
+def test_a_blob_is_encoded_only_as_its_header_and_table_describe():
+    one = header(probe=1)
+    assert fmt.decode_blob(fmt.encode_blob(one, [ENTRY], [b"abcd"], (2.0,))).probe == (2.0,)
+    assert fmt.decode_blob(fmt.encode_blob(header(), [ENTRY], [b"abcd"], ())).probe is None
+    for h, payloads, probe in [(one, [b"abcd"], None), (one, [b"abcd"], (1.0, 2.0)), (header(), [b"abc"], None)]:
+        with pytest.raises(ValueError, match=r"^the header and table do not describe the probe and payloads given$"):
+            fmt.encode_blob(h, [ENTRY], payloads, probe)
+
+
+def test_a_foreign_part_names_both_runs_abbreviated():
+    run = fmt.decode_manifest(fmt.encode_manifest(manifest()))
+    blob = fmt.encode_blob(header(step=3, world_size=2), [fmt.PayloadEntry(0, 0, 7)], [b""])
+    foreign = rf"^is a part of another run \(its manifest {DIGEST[:12]}\.\.\., the prefix's {run.sha256[:12]}\.\.\., "
+    with pytest.raises(ChainError, match=foreign + r"run run\): a foreign part$"):
+        fmt.parse_part(blob, fmt.PartRef(3, fmt.Kind.BASE, None, len(blob)), 0, run)
