@@ -403,6 +403,21 @@ def test_a_paced_mirror_reads_a_signed_runs_heartbeat_every_few_seconds_between_
     assert len(gaps) <= 2 * (commits[-1] - commits[0]) / mirror_module._IDLE_MOST, len(gaps)  # not at every poll
 
 
+def test_a_paced_mirror_thins_its_polls_through_a_pause_after_a_rhythm(monkeypatch):
+    """Steps 2 s apart, then a ten-minute pause: while the rhythm held, a step due and not there
+    was polled every `poll` (0.05 s) until the trainer resumed, 11,920 polls of the pause.  Beyond a
+    whole gap overdue, the polls thin out as without a rhythm, and the step after the pause is found
+    within `_IDLE_MOST`; a few steps on, the rhythm is kept again."""
+    commits = [2.0 * s for s in range(1, 9)] + [616.0 + 2.0 * s for s in range(1, 9)]
+    late, trainer, _ = _paced(monkeypatch, commits)
+    pause = [at for at in itertools.accumulate(trainer.waits) if 20 < at < 616]  # the polls of the pause
+    assert len(pause) < 400, len(pause)
+    assert late[9] <= mirror_module._IDLE_MOST, late
+    # the steps just after it are found by thinned polls or at the first poll (up to 4.6 s late here)
+    # until two first-poll finds forget the old arrivals; then the rhythm is learned again
+    assert max(late[s] for s in range(14, 17)) <= 0.2, str([round(late[s], 2) for s in sorted(late)])
+
+
 def test_a_heartbeat_read_between_passes_does_not_delay_the_next_pass(monkeypatch, tmp_path):
     """The sleep the cadence asks for ends when it said, however long the heartbeat reads woken
     for during it take: each read's round trip was added to the sleep, so with 30 s steps every

@@ -7,20 +7,22 @@ step about as soon as one polling all the time, with a few requests a step inste
 `poll`.  The schedule is the chain's usual gap (the median of the recent ones) from where the recent
 arrivals put the next step: each recent arrival, a whole number of usual gaps on, is a place the
 next step may come; a step found late (already there at the first poll) does not delay the ones
-after it.  Waking at the earliest of those places finds each step as soon as it comes, but a
-trainer whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then polled
-through the whole spread, every poll a request that finds nothing.  `late` wakes at a quantile of
-those places instead: about that share of steps is found at the first poll (late, by up to the
-spread), and the polls before the others shrink with it.  An older place earlier than half a gap
-before where the newest exact arrival (a step found just after a poll that missed it) puts the next
-step comes from before a pause (a trainer's warm-up) and is passed over; a step found at the first
-poll only says it came before, so it never anchors that cut (one late find would otherwise delay
-every step after it).  With two gaps only, the shorter one is the rhythm.  A backlog found at once
-(gaps of zero) turns the schedule off until the rhythm is steady again.  Without a rhythm the polls
-thin out as the wait goes on, each a sixteenth of the time since the newest arrival apart (before
-any, since the first wait): a trainer's first steps come after a warm-up of unknown length, and a
-poll every `poll` through all of it is a request each (a listing, for a mirror that holds no step
-yet), for a step then found at most a sixteenth of that wait late.
+after it.  Waking at the earliest of those places finds each step as soon as it comes, but a trainer
+whose steps jitter (a publish that takes 0.4 s one step and 1.2 s the next) is then polled through
+the whole spread, every poll a request that finds nothing.  `late` wakes at a quantile of those
+places instead: about that share of steps is found at the first poll (late, by up to the spread),
+and the polls before the others shrink with it.  An older place earlier than half a gap before where
+the newest exact arrival (a step found just after a poll that missed it) puts the next step comes
+from before a pause (a trainer's warm-up) and is passed over; a step found at the first poll only
+says it came before, so it never anchors that cut (one late find would otherwise delay every step
+after it).  With two gaps only, the shorter one is the rhythm.  A step more than a whole gap overdue
+is a trainer's pause: from there the polls thin out as without a rhythm (below), each a sixteenth
+of the time beyond that gap apart, not one every `poll` until the trainer resumes.  A backlog found
+at once (gaps of zero) turns the schedule off until the rhythm is steady again.  Without a rhythm
+the polls thin out as the wait goes on, each a sixteenth of the time since the newest arrival apart
+(before any, since the first wait): a trainer's first steps come after a warm-up of unknown length,
+and a poll every `poll` through all of it is a request each (a listing, for a mirror that holds no
+step yet), for a step then found at most a sixteenth of that wait late.
 
 A step found at the first poll came before it, by an unknown amount: a gap that ends (or starts)
 at one is the poller's own schedule, not the trainer's, and a rhythm learned from such gaps holds
@@ -94,7 +96,7 @@ class Cadence:
     def wait(self, now: float, poll: float) -> float:
         """Seconds until the next poll: `poll`, or longer while the next step is not yet due, less
         one `poll` of margin (without a rhythm, a sixteenth of the time since the newest arrival, or
-        before any since the first wait).
+        before any since the first wait; beyond a whole gap overdue, a sixteenth of the time beyond it).
         Each recent arrival, a usual gap (the median of the exact ones) apart, puts the next step
         somewhere; it is due at the earliest of those places, or with `late` at that quantile.  A
         step found late (it was there at the first poll) neither moves the earliest place later nor
@@ -108,16 +110,19 @@ class Cadence:
             return max(poll, min(since * _IDLE, self._idle_most))
         newest = self._arrivals[-1]
         if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
-            return max(poll, newest + min(gaps) - poll - now)
-        usual = statistics.median(gaps)
-        n = len(self._arrivals)
-        places = [at + (n - i) * usual for i, at in enumerate(self._arrivals)]  # where each puts the next step
-        anchor = max((i for i, exact in enumerate(self._exact) if exact), default=None)
-        if anchor is not None:  # older places half a gap before the newest exact one's: from before a pause
-            places = [p for i, p in enumerate(places) if i >= anchor or p >= places[anchor] - usual / 2]
-        places.sort()
-        due = places[int(self._late * (len(places) - 1))]
-        return max(poll, due - poll - now)
+            usual = min(gaps)
+            due = newest + usual
+        else:
+            usual = statistics.median(gaps)
+            n = len(self._arrivals)
+            places = [at + (n - i) * usual for i, at in enumerate(self._arrivals)]  # where each puts the next step
+            anchor = max((i for i, exact in enumerate(self._exact) if exact), default=None)
+            if anchor is not None:  # older places half a gap before the newest exact one's: from before a pause
+                places = [p for i, p in enumerate(places) if i >= anchor or p >= places[anchor] - usual / 2]
+            places.sort()
+            due = places[int(self._late * (len(places) - 1))]
+        paused = now - due - usual  # beyond a whole gap overdue: a pause, through which polls thin out
+        return max(poll, due - poll - now, min(paused * _IDLE, self._idle_most))
 
     def steady(self) -> bool:
         """Whether the recent steps keep a rhythm `wait` sleeps by: two exact gaps or more, no backlog
