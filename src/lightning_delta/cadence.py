@@ -121,7 +121,7 @@ class Cadence:
                 places = [p for i, p in enumerate(places) if i >= anchor or p >= places[anchor] - usual / 2]
             places.sort()
             due = places[int(self._late * (len(places) - 1))]
-        paused = now - due - usual  # beyond a whole gap overdue: a pause, through which polls thin out
+        paused = now - max(due, newest) - usual  # a whole gap overdue, none since: a pause, polls thin out
         return max(poll, due - poll - now, min(paused * _IDLE, self._idle_most))
 
     def steady(self) -> bool:

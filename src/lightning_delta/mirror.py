@@ -627,7 +627,7 @@ class Mirror:
         poll, and at least every `_IDLE_MOST`, so that through a trainer's pause, or between steps
         longer than that, the heartbeat at the mirror is at most that much older than the source's
         (for a follower whose `max_heartbeat_age` is below the step gap)."""
-        return max(self.settings.poll_seconds, min(self._cadence.usual_gap() or _IDLE_MOST, _IDLE_MOST))
+        return min(max(self.settings.poll_seconds, self._cadence.usual_gap() or _IDLE_MOST), _IDLE_MOST)
 
     def _beat_due(self) -> float | None:
         """When (`time.monotonic()`) the heartbeat is next read, in a signed run relayed before."""
