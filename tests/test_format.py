@@ -544,7 +544,8 @@ MARKER_KEYS = "['format', 'kind', 'prev_step', 'sha256', 'signature', 'size']"
         ({**MARKER_V2, "size": -1}, "size -1"),  # a version 2 marker's own error, not the keys it lacks
         (
             {**MARKER_V2, "format": "lightning_delta.commit/3"},
-            "format 'lightning_delta.commit/3', expected 'lightning_delta.commit/3'",
+            "format 'lightning_delta.commit/3' without the key 'signature' (version 2's keys, "
+            "'lightning_delta.commit/2'): a 'lightning_delta.commit/3' marker holds it, null if unsigned",
         ),
         ({**MARKER_V2, "signature": SIGNATURE}, "a signature in a version 2 marker"),
         ({"size": 9}, f"CommitMarker must hold exactly the keys {MARKER_KEYS}, got ['size']"),
@@ -708,7 +709,11 @@ def test_a_version_2_manifest_reads_as_an_unsigned_manifest_and_keeps_its_errors
     assert run.numel(0) == 4 and run.numel(1) == 5
     for bad, message in [
         ({**v2, "world_size": 3}, "layouts of 2 ranks for 3"),  # its own error, not the keys it lacks
-        (raw, "format 'lightning_delta.run/3', expected 'lightning_delta.run/3'"),
+        (
+            raw,
+            "format 'lightning_delta.run/3' without the keys 'signer' and 'signature' (version 2's keys, "
+            "'lightning_delta.run/2'): a 'lightning_delta.run/3' manifest holds both, null if unsigned",
+        ),
         ({"run_id": "r"}, "RunManifest must hold exactly the keys"),
     ]:
         with pytest.raises(FormatError, match=f"^run manifest is malformed: {re.escape(message)}"):

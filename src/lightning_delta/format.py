@@ -294,7 +294,11 @@ class _RunManifestV2:
     format: str
 
     def check(self) -> None:
-        _require(self.format == _RUN_FORMAT_V2, f"format {self.format!r}, expected {RUN_FORMAT!r}")
+        _require(
+            self.format == _RUN_FORMAT_V2,
+            f"format {self.format!r} without the keys 'signer' and 'signature' (version 2's keys, "
+            f"{_RUN_FORMAT_V2!r}): a {RUN_FORMAT!r} manifest holds both, null if unsigned",
+        )
         self.upgrade().check()
 
     def upgrade(self) -> RunManifest:
@@ -460,7 +464,11 @@ class _CommitMarkerV2:
     format: str
 
     def check(self) -> None:
-        _require(self.format == _COMMIT_FORMAT_V2, f"format {self.format!r}, expected {COMMIT_FORMAT!r}")
+        _require(
+            self.format == _COMMIT_FORMAT_V2,
+            f"format {self.format!r} without the key 'signature' (version 2's keys, {_COMMIT_FORMAT_V2!r}): "
+            f"a {COMMIT_FORMAT!r} marker holds it, null if unsigned",
+        )
         self.upgrade().check()
 
     def upgrade(self) -> CommitMarker:
