@@ -83,8 +83,13 @@ class Cadence:
         poller held up after its miss."""
         if missed_at is None:
             return False
-        since = now - (self._arrivals[-1] if self._arrivals else now if self._began is None else self._began)
-        return now - missed_at <= max(2 * poll, min(since / 8, 2 * self._idle_most))
+        return now - missed_at <= max(2 * poll, min(self._since(now) / 8, 2 * self._idle_most))
+
+    def _since(self, now: float) -> float:
+        """Seconds since the newest arrival; before any, since the first wait (none yet: 0)."""
+        if self._arrivals:
+            return now - self._arrivals[-1]
+        return 0.0 if self._began is None else now - self._began
 
     def _gaps(self, exact: bool = False) -> list[float]:
         """The gaps between arrivals; `exact`: between exact ones only (the rhythm's), since one
@@ -106,8 +111,7 @@ class Cadence:
             self._began = now
         gaps = self._gaps(exact=True)
         if not self.steady():
-            since = now - (self._arrivals[-1] if self._arrivals else self._began)
-            return max(poll, min(since * _IDLE, self._idle_most))
+            return max(poll, min(self._since(now) * _IDLE, self._idle_most))
         newest = self._arrivals[-1]
         if len(gaps) < _STEADY:  # the median of two is their mean: a pause (a warm-up) would be half of it
             usual = min(gaps)

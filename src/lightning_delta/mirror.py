@@ -259,10 +259,10 @@ class Mirror:
         the next step is not yet due, if `paced`; a signed run's heartbeat relayed during it, once
         `_beat_every`), again."""
         stop = stop or threading.Event()
+        self._paced = self.settings.paced
         while not stop.is_set():
             yield self.sync()
             poll = self.settings.poll_seconds
-            self._paced = self.settings.paced
             wait = self._cadence.wait(time.monotonic(), poll) if self.settings.paced else poll
             end = time.monotonic() + wait  # fixed: a heartbeat's read between passes does not delay the next
             while (beat := self._beat_due()) is not None and beat < end and not stop.is_set():
@@ -643,7 +643,7 @@ class Mirror:
         if self._run.manifest.signer is None:
             return
         now = time.monotonic()
-        if throttled and self._beat_at is not None and now - self._beat_at < self._beat_every():
+        if throttled and (due := self._beat_due()) is not None and now < due:
             return
         self._beat_at = now
         data = self._read(fmt.HEARTBEAT, fmt.MAX_MARKER_BYTES)
