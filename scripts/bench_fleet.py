@@ -8,7 +8,8 @@
 
 A trainer publishes a `make_sequence.py` sequence, one step every `--period` seconds, to a home S3
 endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58 ms, Frankfurt
-+145 ms of round trip) each run K replicas in a process of their own, behind a link to home:
++145 ms of round trip) each run K replicas in a process of their own (forked for each phase from
+the region's host process, started once with its imports done), behind a link to home:
 
 * as root, where `ip netns` works: the region's process runs in a network namespace of its own,
   joined to the root namespace by a veth pair with a `tbf` qdisc on both ends (the bandwidth);
