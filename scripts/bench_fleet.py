@@ -8,7 +8,8 @@
 
 A trainer publishes a `make_sequence.py` sequence, one step every `--period` seconds, to a home S3
 endpoint (a moto server on 127.0.0.1).  Three regions (Ohio +43 ms, Virginia +58 ms, Frankfurt
-+145 ms of round trip) each run K replicas in a process of their own, behind a link to home:
++145 ms of round trip) each run K replicas in a process of their own (forked for each phase from
+the region's host process, started once with its imports done), behind a link to home:
 
 * as root, where `ip netns` works: the region's process runs in a network namespace of its own,
   joined to the root namespace by a veth pair with a `tbf` qdisc on both ends (the bandwidth);
@@ -486,6 +487,90 @@ def region_main(config_path: str) -> None:
     os._exit(0)  # no teardown of the clients' threads and loops: the events are written
 
 
+def region_host() -> None:
+    """A region's process for the whole run: the imports a region does, once, then one forked child
+    per phase (`region_main` on the config path read from stdin), whose pid and exit status it
+    writes beside the config.  A phase's regions thus start in a fork, not in three processes
+    importing torch at once (20-38 s a phase on this machine); nothing else about them changes."""
+    import fsspec
+    import s3fs  # noqa: F401  (fsspec's "s3", imported on the first filesystem otherwise)
+
+    # the package imports each class on first use: the region's, here, once
+    from lightning_delta import DeltaLoader, Mirror, sparse_walk, whole_walk  # noqa: F401
+
+    fsspec.get_filesystem_class("s3")
+    sparse_walk.compile()  # numba's kernels loaded once (seconds), not in each child's first step
+    whole_walk.compile()
+    for line in sys.stdin:  # no thread is started before a fork: the child is a clean copy
+        config = Path(line.strip())
+        pid = os.fork()
+        if pid == 0:
+            try:
+                region_main(str(config))
+            except SystemExit as err:
+                print(err, file=sys.stderr, flush=True)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            os._exit(1)  # region_main ends in os._exit(0)
+        _write_atomic(config.with_suffix(".pid"), str(pid))
+        _, status = os.waitpid(pid, 0)
+        _write_atomic(config.with_suffix(".rc"), str(os.waitstatus_to_exitcode(status)))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    part = path.with_suffix(".part")
+    part.write_text(text)
+    part.replace(path)
+
+
+class RegionRun:
+    """One phase's region, a child of its `RegionHost`: waited for and killed like a process."""
+
+    def __init__(self, host: subprocess.Popen[bytes], config: Path) -> None:
+        self.host, self.config = host, config
+
+    def wait(self, timeout: float) -> int:
+        rc = self.config.with_suffix(".rc")
+        deadline = time.time() + timeout
+        while not rc.exists():
+            if self.host.poll() is not None:
+                raise RuntimeError(f"a region's host process exited ({self.host.returncode}) during a phase")
+            if time.time() > deadline:
+                raise subprocess.TimeoutExpired(str(self.config), timeout)
+            time.sleep(0.02)
+        return int(rc.read_text())
+
+    def kill(self) -> None:
+        with suppress(FileNotFoundError, ProcessLookupError):
+            os.kill(int(self.config.with_suffix(".pid").read_text()), signal.SIGKILL)
+
+
+class RegionHost:
+    """A region's `region_host` process, in its namespace (behind its link), for the whole run."""
+
+    def __init__(self, link: Link) -> None:
+        argv = [sys.executable, os.path.abspath(__file__), "--region-host"]
+        self.proc = subprocess.Popen(link.command(argv), stdin=subprocess.PIPE, env=os.environ.copy())
+
+    def start(self, config: Path) -> RegionRun:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{config}\n".encode())
+        self.proc.stdin.flush()
+        return RegionRun(self.proc, config)
+
+    def close(self) -> None:
+        with suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 # --------------------------------------------------------------------------- a vLLM replica
 
 
@@ -757,7 +842,14 @@ class Phase:
 
 
 def run_phase(
-    mode: str, k: int, files: list[Path], digests: dict[int, str], home: str, link_list: list[Link], args: Any
+    mode: str,
+    k: int,
+    files: list[Path],
+    digests: dict[int, str],
+    home: str,
+    link_list: list[Link],
+    hosts: dict[str, RegionHost],
+    args: Any,
 ) -> Phase:
     import fsspec
 
@@ -770,7 +862,7 @@ def run_phase(
     fs.mkdir(bucket)
     work = Path(tempfile.mkdtemp(prefix=f"fleet-{mode}-"))
     (work / "acks").mkdir()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[RegionRun] = []
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         for link in link_list:
@@ -795,8 +887,7 @@ def run_phase(
             }
             path = work / f"config.{link.region}.json"
             path.write_text(json.dumps(cfg))
-            argv = [sys.executable, os.path.abspath(__file__), "--region-job", str(path)]
-            procs.append(subprocess.Popen(link.command(argv), env=os.environ.copy()))
+            procs.append(hosts[link.region].start(path))
 
         def stop_all() -> None:
             (work / "stop").touch()
@@ -1192,12 +1283,12 @@ def main() -> None:
     )
     p.add_argument("--vllm-tokens", type=int, default=16, help="tokens a vLLM replica generates per generation")
     p.add_argument("--vllm-python", type=Path, default=Path(__file__).resolve().parent.parent / ".venv-vllm/bin/python")
-    p.add_argument("--region-job", help=argparse.SUPPRESS)
+    p.add_argument("--region-host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vllm-job", help=argparse.SUPPRESS)
     p.add_argument("--name", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.region_job:
-        region_main(args.region_job)
+    if args.region_host:
+        region_host()
         return
     if args.vllm_job:
         vllm_main(args.vllm_job, args.name)
@@ -1250,7 +1341,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the links are deleted
     phases: list[Phase] = []
     try:
-        with links((host, port), args.mbit, kernel) as (link_list, how):
+        with links((host, port), args.mbit, kernel) as (link_list, how), ExitStack() as stack:
+            hosts = {link.region: RegionHost(link) for link in link_list}
+            for h in hosts.values():
+                stack.callback(h.close)
             dense = 2 * sum(t.numel() for t in load_file(files[0]).values())
             print(
                 f"{len(files)} steps of {args.sequence} ({dense:,d} bytes bf16), "
@@ -1264,7 +1358,7 @@ def main() -> None:
                     if args.quick and mode == "full_sync" and k != max(args.replicas):
                         continue  # --quick: the slow baseline at the largest K only
                     t = time.time()
-                    phases.append(run_phase(mode, k, files, digests, f"http://{host}:{port}", link_list, args))
+                    phases.append(run_phase(mode, k, files, digests, f"http://{host}:{port}", link_list, hosts, args))
                     print(f"  {mode} K={k}: {time.time() - t:.0f} s", flush=True)
                     raw.write_text(
                         json.dumps(

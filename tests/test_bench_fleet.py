@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from conftest import ROOT
 
@@ -100,11 +102,32 @@ def test_a_replicas_waits_merge_while_another_replica_of_its_region_records_betw
     ]
 
 
+def write_sequence(folder: Path, steps: int) -> None:
+    """A small model's bf16 steps (one layer, dim 32: ~45 K elements), each changing 1% of every
+    tensor's elements by one ULP or a few, as an RL step does (`make_sequence.py`'s `synthetic_pair`):
+    written here in milliseconds instead of trained in a process of its own (10-25 s on 2 cores)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed.weight": (512, 32), "head.weight": (512, 32), "norm.weight": (32,)}
+    shapes |= {f"layers.0.{name}.weight": (32, 32) for name in ("q", "k", "v", "o")}
+    shapes |= {"layers.0.up.weight": (128, 32), "layers.0.down.weight": (32, 128), "layers.0.norm.weight": (32,)}
+    state = {name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
+    folder.mkdir()
+    for step in range(steps):
+        save_file(state, folder / f"step-{step:06d}.safetensors")
+        for name, tensor in state.items():
+            bits = tensor.view(torch.int16).clone().reshape(-1)
+            index = torch.randperm(bits.numel(), generator=g)[: max(1, bits.numel() // 100)]
+            size = torch.randint(1, 4, (index.numel(),), generator=g) * torch.where(
+                torch.rand(index.numel(), generator=g) < 0.5, 1, -1
+            )
+            bits[index] += size.to(torch.int16)
+            state[name] = bits.view(torch.bfloat16).reshape(tensor.shape)
+
+
 @pytest.mark.slow
 def test_bench_fleet_smallest_case(tmp_path):
     seq = tmp_path / "seq"
-    make = [sys.executable, str(ROOT / "scripts/make_sequence.py"), str(seq), "--steps", "3", "--dim", "32"]
-    subprocess.run([*make, "--layers", "1"], check=True, capture_output=True, timeout=300)
+    write_sequence(seq, 3)  # steps 1-3: the warm-up, then a window of two
     out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
     args = ["--no-kernel", "--replicas", "2", "--period", "1", "--generate", "0.2", "--mbit", "20"]
     proc = subprocess.run(
