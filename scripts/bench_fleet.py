@@ -459,7 +459,7 @@ def region_main(config_path: str) -> None:
         time.sleep(0.2)
     (work / f"ready.{region}").touch()
     joined = False
-    while not (work / "stop").exists():
+    while not (work / "stop").exists() and work.is_dir():  # gone: the bench ended without us
         if not joined and cfg["join"] and (work / "join").exists():
             joined = True
             joiner_opts = None if mode == "delta_mirror" else joiner_options
@@ -499,8 +499,9 @@ def region_host() -> None:
     from lightning_delta import DeltaLoader, Mirror, sparse_walk, whole_walk  # noqa: F401
 
     fsspec.get_filesystem_class("s3")
-    sparse_walk.compile()  # numba's kernels loaded once (seconds), not in each child's first step
-    whole_walk.compile()
+    if sparse_walk.AVAILABLE:  # numba's kernels loaded once (seconds), not in each child's first step
+        sparse_walk.compile()
+        whole_walk.compile()
     for line in sys.stdin:  # no thread is started before a fork: the child is a clean copy
         config = Path(line.strip())
         pid = os.fork()
@@ -894,7 +895,7 @@ def run_phase(
             for p in procs:
                 try:
                     p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, RuntimeError):  # RuntimeError: its host died
                     p.kill()
 
         stack.callback(stop_all)
