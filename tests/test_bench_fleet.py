@@ -104,7 +104,7 @@ def test_a_replicas_waits_merge_while_another_replica_of_its_region_records_betw
 
 def write_sequence(folder: Path, steps: int) -> None:
     """A small model's bf16 steps (one layer, dim 32: ~45 K elements), each changing 1% of every
-    tensor's elements by one ULP or a few, as an RL step does (`make_sequence.py`'s `synthetic_pair`):
+    tensor's elements by one to three ULPs, a sparse delta as an RL step's is:
     written here in milliseconds instead of trained in a process of its own (10-25 s on 2 cores)."""
     g = torch.Generator().manual_seed(0)
     shapes = {"embed.weight": (512, 32), "head.weight": (512, 32), "norm.weight": (32,)}
