@@ -689,6 +689,68 @@ def test_a_step_verified_ahead_with_a_payload_shipped_whole_is_written_after_its
     assert live.held_step == 3 and exact(engine, truth[3]) and torch.equal(engine.rope, truth[3]["layer.rope"])
 
 
+def test_a_weight_changed_under_a_torch_decoded_payload_after_a_walked_one_is_caught_before_the_write(
+    store_url, monkeypatch
+):
+    """A step verified ahead that mixes payloads walked in place (checked as they are written) and
+    payloads decoded by torch: the check of its changes skips the walked ones and goes on to the
+    others (#39: `continue` -> `break` passed over them).  Every tensor a payload of its own,
+    `layer.k` (payload 0) changed at spread positions (SPARSE, walked), `layer.q` (payload 3) among
+    its smallest elements (CLASSED, decoded by torch)."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    state, truth = checkpoint(), {}
+    settings = PublisherSettings(base_every=4, codec=CodecOptions(context=Context.EXPONENT))
+    with DeltaPublisher(store_url, lambda: state, settings) as publisher:
+        for step in (1, 2, 3):
+            if step > 1:
+                state["layer.k"].view(torch.int16).view(-1)[step::7] += 1
+                q = state["layer.q"].view(torch.int16).view(-1)
+                size = state["layer.q"].float().abs().view(-1)
+                q[(size <= size.quantile(0.25)).nonzero().view(-1)[step::3]] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert (0, 0) in prepared.walked and (0, 3) not in prepared.walked and prepared.held is not None
+    q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
+    engine.qkv.data.view(torch.int16).view(-1)[int((q3 != q2).nonzero()[0])] ^= 1
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(ChecksumError, match=r"^rank 0 payload 3: the engine's weights changed behind"):
+        live.write(prepared, check=True)
+    assert all(torch.equal(engine.state()[k], v) for k, v in before.items())  # nothing was written
+    live.write(live.prepare(3))  # the next load is whole, from its base
+    assert exact(engine, truth[3])
+
+
+def test_a_step_verified_ahead_whose_weights_cannot_be_listed_for_its_check_is_not_written(store_url):
+    """The check of a step verified ahead raises the error met inside it (the engine's parameters
+    not listed, say) on every worker, and writes nothing (#39: with that failure dropped in
+    `checks.changes_differ`, the check passed over nothing and the step was written unchecked)."""
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert not prepared.walked and prepared.held is not None
+    listed, calls = live._params, [0]
+
+    def once_released() -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the weights were released")
+        return listed()
+
+    live._params = once_released
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(RuntimeError, match=r"^the weights were released$"):
+        live.write(prepared, check=True)
+    assert calls[0] == 1 and all(torch.equal(engine.state()[k], v) for k, v in before.items())
+    live.write(prepared, check=True)  # listed again: checked and written
+    assert live.held_step == 3 and exact(engine, truth[3])
+
+
 @pytest.mark.parametrize("walk", BACKENDS)
 def test_a_kept_copy_a_walk_changes_is_reloaded_into_the_engine_and_one_it_leaves_is_not(store_url, walk, monkeypatch):
     """The rope (its engine's loader computes it: the follower keeps a copy and reloads it) changes
