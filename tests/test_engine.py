@@ -5,6 +5,7 @@ The real vLLM engine is in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from lightning_delta import (
     ChecksumError,
     DeltaError,
     DeltaPublisher,
+    ModelMismatchError,
     PublisherSettings,
     SnapshotNotFoundError,
     Store,
@@ -359,6 +361,32 @@ def test_an_engine_without_a_reload_refuses_a_step_that_changes_a_kept_tensor(st
     assert live.held_step is None
 
 
+def test_a_base_step_that_changes_no_kept_tensor_is_written_without_a_reload(store_url, wholes):
+    """The twin of the test above: a run without the rope (no kept copy) is written whole and in
+    place by an engine without a reload; a base step walked whole says a kept copy changed only
+    where one did (#39: `WholeWriter.write` reporting one always)."""
+    state = {k: v for k, v in checkpoint().items() if k != "layer.rope"}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        publisher.publish(1)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live._reload = None
+    live.update(1)
+    assert live.held_step == 1 and wholes[0] > 0 and exact(engine, state)
+
+
+def test_a_parameter_left_on_the_meta_device_is_refused_by_a_whole_walk_naming_it(store_url, wholes):
+    """An engine whose reload did not finish leaves a parameter on the meta device: a base step
+    walked whole refuses it, naming it, and holds no step."""
+    publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live._params = lambda: {**dict(engine.named_parameters()), "o": torch.empty_like(engine.o, device="meta")}
+    with pytest.raises(ModelMismatchError, match=r"^o is on the meta device \(the engine's reload did not finish\)"):
+        live.update(1)
+    assert live.held_step is None
+
+
 class _Stalling(FsspecObjects):
     """A store whose listings wait, once `stalled` is cleared, until it is set again (a store that
     does not answer), for 20 s at most."""
@@ -417,6 +445,24 @@ def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_st
     live.update(5)
     assert live.held_step == 5 and exact(engine, truth[5]) and wholes[0] == 3
     live.verify()
+
+
+def test_a_base_payload_of_another_dtype_is_refused_as_it_is_walked_whole_naming_where(store_url, wholes):
+    """A RAW payload of a base step that decodes cleanly as float16 where the run says bfloat16
+    (its dtype and value-coding bytes rewritten, the marker re-signed) is refused by the whole walk
+    with where it is and both types, and no step is held."""
+    publish(store_url)
+    store = Store(store_url)
+    blob = bytearray(store.objects.get(fmt.blob_path(1, 0, 1)))
+    at = blob.find(bytes(store.read_part(1, 0, 1).payloads[0]))
+    assert codec.mode_of(bytes(blob[at:])) == Mode.RAW
+    blob[at + 5], blob[at + 7] = codec.ValueCoding.NONE, fmt.DType.of(torch.float16).code  # byte planes, float16
+    replace_blob(store, 1, 0, 1, bytes(blob))
+    live = follower(store_url, Engine())
+    where = f"{store.url} rank 0 step 1: payload 0 is torch.float16, expected torch.bfloat16"
+    with pytest.raises(fmt.FormatError, match=f"^{re.escape(where)}$"):
+        live.update(1)
+    assert live.held_step is None and wholes[0] == 0
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
