@@ -465,6 +465,26 @@ def test_a_base_payload_of_another_dtype_is_refused_as_it_is_walked_whole_naming
     assert live.held_step is None and wholes[0] == 0
 
 
+def test_a_failure_while_a_base_step_is_planned_is_raised_as_itself_and_walks_nothing(store_url, wholes, monkeypatch):
+    """A failure before any payload is walked whole (the kept copy's memory, say) is the error
+    raised, nothing is walked, and no step is held (#39: with it dropped in `WholeWriter.write`, the
+    step was walked in part and refused by the checksum, or by a length mismatch)."""
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+
+    def no_memory(tensor: int) -> None:
+        raise MemoryError("no memory for the kept copy (a stand-in)")
+
+    monkeypatch.setattr(live.plan, "keep", no_memory)
+    with pytest.raises(DeltaError, match=r"^MemoryError: no memory for the kept copy \(a stand-in\)$"):
+        live.update(1)
+    assert live.held_step is None and wholes[0] == 0
+    monkeypatch.undo()
+    live.update(1)
+    assert exact(engine, truth[1])
+
+
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
     """The end of a write (the engine's reload of the tensors it cannot take in place) cannot be
     taken back: where it raises, the follower holds no step and loads the step again from its base
