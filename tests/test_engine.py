@@ -31,6 +31,7 @@ from lightning_delta import (
     torch_path,
     torch_walk,
     whole_walk,
+    whole_write,
 )
 from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
@@ -483,6 +484,20 @@ def test_a_failure_while_a_base_step_is_planned_is_raised_as_itself_and_walks_no
     monkeypatch.undo()
     live.update(1)
     assert exact(engine, truth[1])
+
+
+@pytest.mark.parametrize("cores", [1, 3])
+def test_a_base_step_is_walked_whole_exactly_on_any_number_of_cores(store_url, wholes, monkeypatch, cores):
+    """Payloads are walked whole side by side, as many at once as the process has cores (one more
+    thread sends): on one core (a container's share) as on several, every payload is walked, and
+    the engine holds the step exactly.  Every tensor a payload of its own: six walks."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    truth = publish(store_url)
+    monkeypatch.setattr(whole_write, "_threads", lambda: cores)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(1)
+    assert live.held_step == 1 and wholes[0] == 6 and exact(engine, truth[1])
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
