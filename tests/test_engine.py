@@ -469,7 +469,9 @@ def test_a_base_payload_of_another_dtype_is_refused_as_it_is_walked_whole_naming
 def test_a_failure_while_a_base_step_is_planned_is_raised_as_itself_and_walks_nothing(store_url, wholes, monkeypatch):
     """A failure before any payload is walked whole (the kept copy's memory, say) is the error
     raised, nothing is walked, and no step is held (#39: with it dropped in `WholeWriter.write`, the
-    step was walked in part and refused by the checksum, or by a length mismatch)."""
+    step was walked in part and refused by the checksum, or by a length mismatch).  Every tensor a
+    payload of its own: the rope's, the kept copy, is planned after four others."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
     truth = publish(store_url)
     engine = Engine()
     live = follower(store_url, engine)
