@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -492,14 +493,37 @@ def test_a_failure_while_a_base_step_is_planned_is_raised_as_itself_and_walks_no
 def test_a_base_step_is_walked_whole_exactly_on_any_number_of_cores(store_url, wholes, monkeypatch, cores):
     """Payloads are walked whole side by side, as many at once as the process has cores (one more
     thread sends): on one core (a container's share) as on several, every payload is walked, and
-    the engine holds the step exactly.  Every tensor a payload of its own: six walks."""
+    the engine holds the step exactly; no more walks are pending at once than there are cores
+    (each holds its payload's decompressed planes until its result is taken).  Every tensor a
+    payload of its own: six walks."""
     monkeypatch.setattr(snapshot, "SMALL", 0)
     truth = publish(store_url)
     monkeypatch.setattr(whole_write, "_threads", lambda: cores)
+    pending, most = [0], [0]
+
+    class Counted(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            future = super().submit(fn, *args, **kwargs)
+            if getattr(fn, "__name__", "") == "walk":
+                pending[0] += 1
+                most[0] = max(most[0], pending[0])
+                result, taken = future.result, []
+
+                def counted(timeout=None):
+                    if not taken:
+                        taken.append(True)
+                        pending[0] -= 1
+                    return result(timeout)
+
+                future.result = counted
+            return future
+
+    monkeypatch.setattr(whole_write, "ThreadPoolExecutor", Counted)
     engine = Engine()
     live = follower(store_url, engine)
     live.update(1)
     assert live.held_step == 1 and wholes[0] == 6 and exact(engine, truth[1])
+    assert most[0] == cores and pending[0] == 0
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
