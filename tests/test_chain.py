@@ -576,6 +576,8 @@ def test_decoded_patches_carry_the_checksums_a_peer_verifies_them_by(store_url):
     patches.verify_against(run, 0, base, None, None)
     patches.apply(run, 0, base, sink)
     assert_state(sink.tensors(), truth[1])
+    nowhere = patches.PayloadView(run, 0, 0).gather(sink, torch.empty(0, dtype=torch.int64))
+    assert nowhere.dtype == torch.int16 and nowhere.shape == (0,)  # two slices, no position asked
     from_base = patches.decode_rank(run, 0, parts, None, None, cpu, "here", True)  # whole, then two deltas
     patches.verify_against(run, 0, from_base, None, None)
     one = patches.decode_rank(run, 0, parts[1:2], base.state, sink, cpu, "here", False)
@@ -625,3 +627,66 @@ def test_a_chain_that_misses_the_step_held_or_a_payload_that_disagrees_is_refuse
     forged = store.read_part(2, 0, 1)
     with pytest.raises(ChecksumError, match=rf"^here step 2: payload 0 \(a, b\) {MESSAGE}$"):
         patches.decode_rank(run, 0, [forged], base.state, sink, cpu, "here", False)
+
+
+def test_a_composed_chain_through_an_empty_delta_and_moved_exponents_decodes_exactly(store_url):
+    """Deltas composed into one patch (`decode_rank` over several parts) read the state held
+    through the patch so far: after a step that changes nothing (an empty patch, yet positions are
+    asked through it), and a step that moves exponents, a CLASSED delta is decoded against the
+    exponents as the earlier deltas left them, not as held (#39: the classes of the held state
+    put its changes at other positions, and the trainer's checksum refused a valid step).  The
+    tensor is one payload of one slice, whose held exponents are read in one piece."""
+    torch.manual_seed(0)
+    w = (torch.randn(4096) * 0.05).bfloat16()
+    truth = {}
+
+    def smallest() -> torch.Tensor:
+        size = w.float().abs()
+        return (size <= size.quantile(0.25)).nonzero().view(-1)
+
+    settings = PublisherSettings(base_every=10, codec=CodecOptions(context=Context.EXPONENT))
+    with DeltaPublisher(store_url, {"w": w}, settings) as pub:
+        for step in (1, 2, 3, 4):
+            if step == 3:
+                w[smallest()[::4]] *= 4  # two exponents up, among the small ones
+            if step == 4:
+                w.view(torch.int16)[smallest()[1::3]] += 1  # one ULP among the smallest: CLASSED
+            pub.publish(step)
+            truth[step] = {"w": w.clone()}
+    store = Store(store_url)
+    run = store.run()
+    assert [len(slices) for slices in run.manifest.ranks[0]] == [1]
+    parts = [store.read_part(step, 0, 1) for step in (1, 2, 3, 4)]
+    assert parts[1].entries[0].changed == 0 and parts[2].entries[0].changed > 0
+    assert codec.parse(parts[3].payloads[0], w.numel()).mode == codec.Mode.CLASSED
+    cpu = torch.device("cpu")
+    sink = HeldCopies(run, cpu)
+    base = patches.decode_rank(run, 0, parts[:1], None, None, cpu, "here", True)
+    patches.apply(run, 0, base, sink)
+    assert torch.equal(patches.PayloadView(run, 0, 0).exponents(sink), codec.exponent_bytes(truth[1]["w"]))
+    composed = patches.decode_rank(run, 0, parts[1:], base.state, sink, cpu, "here", False)
+    assert composed.state.header.step == 4
+    patches.apply(run, 0, composed, sink)
+    assert_state(sink.tensors(), truth[4])
+
+
+def test_a_forged_value_in_a_payload_of_many_tensors_names_its_first_four(store_url):
+    """The checksum's refusal names the tensors of the payload, the first four (a payload of small
+    tensors may hold hundreds)."""
+    tensors = {name: (torch.arange(8) * 0.5 + i).bfloat16() for i, name in enumerate("abcde")}
+    with DeltaPublisher(store_url, tensors, PublisherSettings(base_every=10)) as pub:
+        for step in (1, 2):
+            if step == 2:
+                for t in tensors.values():
+                    t[step::3] += 0.25
+            pub.publish(step)
+    store = Store(store_url)
+    run = store.run()
+    assert [len(slices) for slices in run.manifest.ranks[0]] == [5]
+    cpu = torch.device("cpu")
+    base = patches.decode_rank(run, 0, [store.read_part(1, 0, 1)], None, None, cpu, "here", True)
+    sink = HeldCopies(run, cpu)
+    patches.apply(run, 0, base, sink)
+    forge_value(store, 2)
+    with pytest.raises(ChecksumError, match=rf"^here step 2: payload 0 \(a, b, c, d\) {MESSAGE}$"):
+        patches.decode_rank(run, 0, [store.read_part(2, 0, 1)], base.state, sink, cpu, "here", False)

@@ -5,7 +5,9 @@ The real vLLM engine is in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from lightning_delta import (
     ChecksumError,
     DeltaError,
     DeltaPublisher,
+    ModelMismatchError,
     PublisherSettings,
     SnapshotNotFoundError,
     Store,
@@ -29,6 +32,7 @@ from lightning_delta import (
     torch_path,
     torch_walk,
     whole_walk,
+    whole_write,
 )
 from lightning_delta import format as fmt
 from lightning_delta.apply import ApplyBackend
@@ -359,6 +363,32 @@ def test_an_engine_without_a_reload_refuses_a_step_that_changes_a_kept_tensor(st
     assert live.held_step is None
 
 
+def test_a_base_step_that_changes_no_kept_tensor_is_written_without_a_reload(store_url, wholes):
+    """The twin of the test above: a run without the rope (no kept copy) is written whole and in
+    place by an engine without a reload; a base step walked whole says a kept copy changed only
+    where one did (#39: `WholeWriter.write` reporting one always)."""
+    state = {k: v for k, v in checkpoint().items() if k != "layer.rope"}
+    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
+        publisher.publish(1)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live._reload = None
+    live.update(1)
+    assert live.held_step == 1 and wholes[0] > 0 and exact(engine, state)
+
+
+def test_a_parameter_left_on_the_meta_device_is_refused_by_a_whole_walk_naming_it(store_url, wholes):
+    """An engine whose reload did not finish leaves a parameter on the meta device: a base step
+    walked whole refuses it, naming it, and holds no step."""
+    publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live._params = lambda: {**dict(engine.named_parameters()), "o": torch.empty_like(engine.o, device="meta")}
+    with pytest.raises(ModelMismatchError, match=r"^o is on the meta device \(the engine's reload did not finish\)"):
+        live.update(1)
+    assert live.held_step is None
+
+
 class _Stalling(FsspecObjects):
     """A store whose listings wait, once `stalled` is cleared, until it is set again (a store that
     does not answer), for 20 s at most."""
@@ -407,7 +437,8 @@ def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_st
     forge_value(Store(store_url), 1)
     engine = Engine()
     live = follower(store_url, engine)
-    with pytest.raises(ChecksumError, match=f"step 1: payload 0 .*{MESSAGE}"):
+    said = f"step 1: payload 0 .*{MESSAGE}; the engine holds no step of the chain until it is loaded from a base$"
+    with pytest.raises(ChecksumError, match=said):
         live.update(1)
     assert live.held_step is None and wholes[0] == 2
     with pytest.raises(DeltaError, match="holds no step"):
@@ -417,6 +448,83 @@ def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_st
     live.update(5)
     assert live.held_step == 5 and exact(engine, truth[5]) and wholes[0] == 3
     live.verify()
+
+
+def test_a_base_payload_of_another_dtype_is_refused_as_it_is_walked_whole_naming_where(store_url, wholes):
+    """A RAW payload of a base step that decodes cleanly as float16 where the run says bfloat16
+    (its dtype and value-coding bytes rewritten, the marker re-signed) is refused by the whole walk
+    with where it is and both types, and no step is held."""
+    publish(store_url)
+    store = Store(store_url)
+    blob = bytearray(store.objects.get(fmt.blob_path(1, 0, 1)))
+    at = blob.find(bytes(store.read_part(1, 0, 1).payloads[0]))
+    assert codec.mode_of(bytes(blob[at:])) == Mode.RAW
+    blob[at + 5], blob[at + 7] = codec.ValueCoding.NONE, fmt.DType.of(torch.float16).code  # byte planes, float16
+    replace_blob(store, 1, 0, 1, bytes(blob))
+    live = follower(store_url, Engine())
+    where = f"{store.url} rank 0 step 1: payload 0 is torch.float16, expected torch.bfloat16"
+    with pytest.raises(fmt.FormatError, match=f"^{re.escape(where)}$"):
+        live.update(1)
+    assert live.held_step is None and wholes[0] == 0
+
+
+def test_a_failure_while_a_base_step_is_planned_is_raised_as_itself_and_walks_nothing(store_url, wholes, monkeypatch):
+    """A failure before any payload is walked whole (the kept copy's memory, say) is the error
+    raised, nothing is walked, and no step is held (#39: with it dropped in `WholeWriter.write`, the
+    step was walked in part and refused by the checksum, or by a length mismatch).  Every tensor a
+    payload of its own: the rope's, the kept copy, is planned after four others."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    truth = publish(store_url)
+    engine = Engine()
+    live = follower(store_url, engine)
+
+    def no_memory(tensor: int) -> None:
+        raise MemoryError("no memory for the kept copy (a stand-in)")
+
+    monkeypatch.setattr(live.plan, "keep", no_memory)
+    with pytest.raises(DeltaError, match=r"^MemoryError: no memory for the kept copy \(a stand-in\)$"):
+        live.update(1)
+    assert live.held_step is None and wholes[0] == 0
+    monkeypatch.undo()
+    live.update(1)
+    assert exact(engine, truth[1])
+
+
+@pytest.mark.parametrize("cores", [1, 3])
+def test_a_base_step_is_walked_whole_exactly_on_any_number_of_cores(store_url, wholes, monkeypatch, cores):
+    """Payloads are walked whole side by side, as many at once as the process has cores (one more
+    thread sends): on one core (a container's share) as on several, every payload is walked, and
+    the engine holds the step exactly; no more walks are pending at once than there are cores
+    (each holds its payload's decompressed planes until its result is taken).  Every tensor a
+    payload of its own: six walks."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    truth = publish(store_url)
+    monkeypatch.setattr(whole_write, "_threads", lambda: cores)
+    pending, most = [0], [0]
+
+    class Counted(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            future = super().submit(fn, *args, **kwargs)
+            if getattr(fn, "__name__", "") == "walk":
+                pending[0] += 1
+                most[0] = max(most[0], pending[0])
+                result, taken = future.result, []
+
+                def counted(timeout=None):
+                    if not taken:
+                        taken.append(True)
+                        pending[0] -= 1
+                    return result(timeout)
+
+                future.result = counted
+            return future
+
+    monkeypatch.setattr(whole_write, "ThreadPoolExecutor", Counted)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(1)
+    assert live.held_step == 1 and wholes[0] == 6 and exact(engine, truth[1])
+    assert most[0] == cores and pending[0] == 0
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
@@ -687,6 +795,68 @@ def test_a_step_verified_ahead_with_a_payload_shipped_whole_is_written_after_its
     assert prepared.walked and (0, 4) not in prepared.walked  # the rope's, shipped whole
     live.write(prepared, check=True)
     assert live.held_step == 3 and exact(engine, truth[3]) and torch.equal(engine.rope, truth[3]["layer.rope"])
+
+
+def test_a_weight_changed_under_a_torch_decoded_payload_after_a_walked_one_is_caught_before_the_write(
+    store_url, monkeypatch
+):
+    """A step verified ahead that mixes payloads walked in place (checked as they are written) and
+    payloads decoded by torch: the check of its changes skips the walked ones and goes on to the
+    others (#39: `continue` -> `break` passed over them).  Every tensor a payload of its own,
+    `layer.k` (payload 0) changed at spread positions (SPARSE, walked), `layer.q` (payload 3) among
+    its smallest elements (CLASSED, decoded by torch)."""
+    monkeypatch.setattr(snapshot, "SMALL", 0)
+    state, truth = checkpoint(), {}
+    settings = PublisherSettings(base_every=4, codec=CodecOptions(context=Context.EXPONENT))
+    with DeltaPublisher(store_url, lambda: state, settings) as publisher:
+        for step in (1, 2, 3):
+            if step > 1:
+                state["layer.k"].view(torch.int16).view(-1)[step::7] += 1
+                q = state["layer.q"].view(torch.int16).view(-1)
+                size = state["layer.q"].float().abs().view(-1)
+                q[(size <= size.quantile(0.25)).nonzero().view(-1)[step::3]] += 1
+            truth[step] = {k: v.clone() for k, v in state.items()}
+            publisher.publish(step)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert (0, 0) in prepared.walked and (0, 3) not in prepared.walked and prepared.held is not None
+    q2, q3 = (truth[s]["layer.q"].view(torch.int16).view(-1) for s in (2, 3))
+    engine.qkv.data.view(torch.int16).view(-1)[int((q3 != q2).nonzero()[0])] ^= 1
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(ChecksumError, match=r"^rank 0 payload 3: the engine's weights changed behind"):
+        live.write(prepared, check=True)
+    assert all(torch.equal(engine.state()[k], v) for k, v in before.items())  # nothing was written
+    live.write(live.prepare(3))  # the next load is whole, from its base
+    assert exact(engine, truth[3])
+
+
+def test_a_step_verified_ahead_whose_weights_cannot_be_listed_for_its_check_is_not_written(store_url):
+    """The check of a step verified ahead raises the error met inside it (the engine's parameters
+    not listed, say) on every worker, and writes nothing (#39: with that failure dropped in
+    `checks.changes_differ`, the check passed over nothing and the step was written unchecked)."""
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.write(live.prepare(2))
+    prepared = live.prepare(3)
+    assert not prepared.walked and prepared.held is not None
+    listed, calls = live._params, [0]
+
+    def once_released() -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the weights were released")
+        return listed()
+
+    live._params = once_released
+    before = {k: v.clone() for k, v in engine.state().items()}
+    with pytest.raises(RuntimeError, match=r"^the weights were released$"):
+        live.write(prepared, check=True)
+    assert calls[0] == 1 and all(torch.equal(engine.state()[k], v) for k, v in before.items())
+    live.write(prepared, check=True)  # listed again: checked and written
+    assert live.held_step == 3 and exact(engine, truth[3])
 
 
 @pytest.mark.parametrize("walk", BACKENDS)

@@ -100,6 +100,15 @@ def test_elements_gathered_for_a_peer_and_scattered_there_write_and_hash_as_its_
     assert all(np.array_equal(a, b) for a, b in zip(walked, scattered, strict=True))
 
 
+def test_a_peer_table_over_another_payload_size_is_refused_before_a_gather():
+    packed = codec.parse(codec.encode(None, torch.randn(10).to(torch.bfloat16)), 10)
+    table = np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    walk = whole_walk.WholeWalk(packed, sparse_walk.Segments(table, 10), [np.zeros(10, dtype=np.int16)])
+    other = sparse_walk.Segments(np.array([[0, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 11)
+    with pytest.raises(ValueError, match=r"^the segment table is for payloads of 11 positions, not 10$"):
+        walk.gather(other)
+
+
 def test_elements_of_another_count_are_refused():
     table = np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
     segments = sparse_walk.Segments(table, 10)
