@@ -9,7 +9,7 @@ its weights (2% of the elements move by one ULP each step; bases at 1 and 5), an
 step 3 is changed (tests/forge.py: its marker re-signed, so only the value checksum can catch it).
 Scenarios:
 
-* offline: an `LLM` with the backend (TP=1) follows steps 1, 2, 3 (damaged),
+* offline (TP=1) and offline-tp2: an `LLM` with the backend follows steps 1, 2, 3 (damaged),
   4 (its chain passes 3), 5 and 6; after each, its greedy log-probs are compared with a fresh
   engine's loaded from the trainer's weights of that step.  Offline also changes a weight behind
   the backend's back twice: where the next step changes it (the incremental check) and where it
@@ -22,10 +22,9 @@ Scenarios:
 * probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
   the full check, distrust and re-sync, the damaged step 3 refused, a completion exact), with no
   process allowed insecure serialization.
-* mla and mla-tp2: a tiny DeepSeek-V2 following a chain of two trainer ranks whose step 2 changes
-  only `kv_b_proj` (in place elsewhere), every parameter and buffer of every worker read back
-  after each step beside a fresh engine's; mla-tp2 (two workers sharing one download) also follows
-  a damaged step, one whose chain passes it, a base, and a weight changed behind its back.
+* mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
+  (in place elsewhere), every parameter and buffer of every worker read back after each step
+  beside a fresh engine's.
 * reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
   (the step is loaded again from its base at once), then in every reload of an update (the engine
   says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
@@ -171,13 +170,14 @@ def logprobs(llm: Any) -> list[Any]:
     return [list(out.token_ids), [sorted((k, v.logprob) for k, v in d.items()) for d in out.logprobs]]
 
 
-def offline(work: str, plain: bool) -> dict[str, Any]:
-    """Follow steps 1-6, each compared with a fresh engine, the weight changed behind the backend's
-    back in place."""
+def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
+    """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2, whose fresh engines take the
+    longest to start: step 2, the one sparse delta written in place into split weights), the weight
+    changed behind the backend's back in place."""
     from vllm import LLM
 
-    extra = {"distributed_executor_backend": "uni"}
-    compared = {1, 2, 3, 4, 5, 6}
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
+    compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {2}
     fresh: dict[int, list[Any]] = {}
     engines = []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
 
@@ -195,14 +195,14 @@ def offline(work: str, plain: bool) -> dict[str, Any]:
     held, seen = None, {}
     for step in (1, 2, 3, 4, 5, 6):
         if step == 6 and plain:  # a weight step 6 changes, changed behind the backend's back first
-            result["incremental"] = nudge(llm, work, 6, changed=True)
+            result["incremental"] = nudge(llm, work, changed_by=6)
         llm.start_weight_update()  # an update that fails after it leaves the engine as it was
         try:
             llm.update_weights({"update_info": {"step": step}})
             llm.finish_weight_update(weight_version=str(step))
         except Exception as err:  # through vLLM's RPC: a plain Exception across processes
             result["errors"][step] = str(err)[-300:]
-            try:  # closes the update where a worker kept it open; refused where it was closed
+            try:  # closes the update where a worker kept it open (TP > 1); refused where it was closed
                 llm.finish_weight_update()
             except Exception as closed:
                 result["errors"][f"{step}-finish"] = str(closed)[-200:]
@@ -212,13 +212,13 @@ def offline(work: str, plain: bool) -> dict[str, Any]:
         got = seen[held] = logprobs(llm)
         result["steps"][step] = {
             "held": held,
-            "equal": got == reference(held),
+            "equal": got == reference(held) if step in compared else None,
             "differs_from_previous": held - 1 not in seen or got != seen[held - 1],
             "report": llm.collective_rpc(_report),
         }
     result["version"] = llm.get_weight_version()
-    if plain:  # a weight no step changes, changed behind its back: only the full check sees it
-        result["full"] = nudge(llm, work, 6, changed=False)
+    if plain and tp == 1:  # a weight no step changes, changed behind its back: only the full check sees it
+        result["full"] = nudge(llm, work, changed_by=None)
         result["full"]["verify"] = llm.collective_rpc(_verify)
         llm.start_weight_update()
         llm.update_weights({"update_info": {"step": 6}})
@@ -506,23 +506,19 @@ def sleep_mode(work: str) -> dict[str, Any]:
     return result
 
 
-MLA_STEPS, MLA_DAMAGED = 7, 4
-MLA_HELD = {1: 1, 2: 2, 3: 3, 4: 3, 5: 3, 6: 6, 7: 7}
-"""Step asked for -> step held, at TP=2 (TP=1 follows steps 1-3): 4 is damaged, 5's chain passes
-it, 6 is a base."""
+MLA_STEPS = 3
 KV_B = "kv_b_proj"
 
 
 def mla_build(work: str) -> None:
     """A tiny DeepSeek-V2 at step 0 (MLA: the CPU kernel wants kv_lora_rank + qk_rope_head_dim = 576;
-    2-D weights drawn with std 0.05) and a chain of 7 steps published by two trainer ranks (bases
-    at 1 and 6): step 2 moves 20% of each `kv_b_proj`'s elements by one ULP and nothing else (vLLM
-    derives W_UK_T and W_UV from it after loading), every other step 2% of every tensor's; step 4
-    damaged (tests/forge.py); each step's weights in a folder a fresh engine loads."""
+    2-D weights drawn with std 0.05) and a one-rank chain: steps 1 and 3 move 2% of every tensor's
+    elements by one ULP, step 2 moves 20% of each `kv_b_proj`'s only (vLLM derives W_UK_T and W_UV
+    from it after loading); each step's weights in a folder a fresh engine loads."""
+    from safetensors.torch import load_file
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from forge import forge_value
-    from lightning_delta import Store
+    from lightning_delta import DeltaPublisher
 
     torch.manual_seed(0)
     config = DeepseekV2Config(
@@ -547,20 +543,8 @@ def mla_build(work: str) -> None:
         if param.ndim == 2:
             param.data.normal_(0, 0.05)
     model.save_pretrained(f"{work}/model")
-    torch.multiprocessing.spawn(mla_publish, args=(work,), nprocs=2)
-    forge_value(Store(f"{work}/store"), MLA_DAMAGED, 0, 2)
-
-
-def mla_publish(rank: int, work: str) -> None:
-    """One of the MLA trainer's two ranks (see `mla_build`)."""
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    from lightning_delta import DeltaPublisher, PublisherSettings
-
-    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2)
     state = load_file(f"{work}/model/model.safetensors")
-    with DeltaPublisher(f"{work}/store", lambda: state, PublisherSettings(base_every=5)) as publisher:
+    with DeltaPublisher(f"{work}/store", lambda: state) as publisher:
         for step in range(1, MLA_STEPS + 1):
             g = torch.Generator().manual_seed(step)
             for name in sorted(state):
@@ -569,64 +553,41 @@ def mla_publish(rank: int, work: str) -> None:
                 bits = state[name].view(torch.int16).view(-1)
                 bits[torch.rand(bits.numel(), generator=g) < (0.2 if step == 2 else 0.02)] += 1
             publisher.publish(step)
-            if rank == 0:
-                shutil.copytree(f"{work}/model", f"{work}/step-{step}")
-                save_file({k: v.contiguous() for k, v in state.items()}, f"{work}/step-{step}/model.safetensors")
-    dist.destroy_process_group()
-    jobs.end()
+            shutil.copytree(f"{work}/model", f"{work}/step-{step}")
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{work}/step-{step}/model.safetensors")
 
 
 def mla(work: str, tp: int) -> dict[str, Any]:
-    """Follow the MLA chain and read every parameter and buffer of every worker back after each
-    step, the derived W_UK_T and W_UV included, beside a fresh engine's (at TP=2 the CPU MLA forward
-    flips between two numeric modes: outputs cannot decide).  TP=1 follows steps 1-3, each compared.
-    TP=2, whose engines are the slowest to start, is also the test of two workers sharing one
-    download (prefetching, as a TP=2 follower would): it follows all 7 steps beside fresh engines
-    of steps 2 (the reload alone; every other tensor as the base at 1 wrote it) and 3 (a sparse
-    delta in place into split weights, and the reload), the damaged 4 and 5 (whose chain passes
-    it) refused with step 3 kept bit for bit, then the base at 6, and 7 with a weight it changes
-    changed behind the backend's back first."""
+    """Follow the MLA chain (TP=1 or 2) and read every parameter and buffer of every worker back
+    after each step, the derived W_UK_T and W_UV included, beside a fresh engine's of that step (at
+    TP=2 the CPU MLA forward flips between two numeric modes: outputs cannot decide).  TP=2, whose
+    fresh engines are the slowest to start, follows steps 1 (a base: in place and through the
+    reload in one step) and 2 (the reload alone); step 3, a delta doing both, is TP=1's."""
     from vllm import LLM
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
     engine = {**ENGINE, "max_model_len": 64, **extra}
-    steps = {1: 1, 2: 2, 3: 3} if tp == 1 else MLA_HELD
+    steps = range(1, (MLA_STEPS if tp == 1 else 2) + 1)
     fresh, engines = {}, []  # kept alive: an engine that goes takes vLLM's process-wide parallel state with it
-    for step in (1, 2, 3) if tp == 1 else (2, 3):  # first: no engine starts in a process where the walk compiled
+    for step in steps:  # first: no engine starts in a process where the walk compiled
         engines.append(LLM(model=f"{work}/step-{step}", **engine))
         fresh[step] = engines[-1].collective_rpc(_digests)
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **engine)
-    info = {"url": f"{work}/store", "prefetch": tp > 1, "poll_seconds": 0.05}
-    llm.init_weight_transfer_engine({"init_info": info})
-    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused)}
-    result |= {"steps": {}, "errors": {}}
-    before, held = llm.collective_rpc(_digests), None
+    llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "refused": llm.collective_rpc(_refused), "steps": {}}
+    before = llm.collective_rpc(_digests)
     for step in steps:
-        if step == 7:  # a weight step 7 changes, changed behind the backend's back first
-            result["nudged"] = nudge(llm, work, step, changed=True)
         llm.start_weight_update()
-        try:
-            llm.update_weights({"update_info": {"step": step}})
-            llm.finish_weight_update(weight_version=str(step))
-        except Exception as err:  # through vLLM's RPC: a plain Exception across processes
-            result["errors"][step] = str(err)[-300:]
-            try:  # closes the update where a worker kept it open; refused where it was closed
-                llm.finish_weight_update()
-            except Exception as closed:
-                result["errors"][f"{step}-finish"] = str(closed)[-200:]
-        else:
-            held = step
+        llm.update_weights({"update_info": {"step": step}})
+        llm.finish_weight_update(weight_version=str(step))
         got = llm.collective_rpc(_digests)
-        row = result["steps"][step] = {
-            "held": held,
-            "report": llm.collective_rpc(_report),
+        result["steps"][step] = {
+            "tensors": [len(w) for w in got],
+            "differ": [sorted(n for n in w if w[n] != f[n]) for w, f in zip(got, fresh[step], strict=True)],
+            "missing": [sorted(set(f) ^ set(w)) for w, f in zip(got, fresh[step], strict=True)],
             "moved": sorted({n for w, b in zip(got, before, strict=True) for n in w if w[n] != b.get(n)}),
         }
-        if held in fresh:
-            row["differ"] = [sorted(n for n in w if w[n] != f[n]) for w, f in zip(got, fresh[held], strict=True)]
-            row["missing"] = [sorted(set(f) ^ set(w)) for w, f in zip(got, fresh[held], strict=True)]
         before = got
-    result["version"] = llm.get_weight_version()
     result["generates"] = bool(logprobs(llm)[0])
     return result
 
@@ -726,16 +687,14 @@ def _failed_calls(worker: Any) -> dict[str, Any]:
 NUDGED = "model.layers.0.mlp.down_proj.weight"
 
 
-def nudge(llm: Any, work: str, step: int, *, changed: bool) -> dict[str, Any]:
-    """Change one element of a weight behind the backend's back: one that `step` changes, or (not
-    `changed`) one that it leaves as the step before had it."""
+def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
+    """Change one element of a weight behind the backend's back: one that step `changed_by`
+    changes, or (None) one that step 6 left as step 5 had it."""
     from safetensors.torch import load_file
 
-    before, after = (
-        load_file(f"{work}/step-{s}/model.safetensors")[NUDGED].view(torch.int16).view(-1) for s in (step - 1, step)
-    )
+    before, after = (load_file(f"{work}/step-{s}/model.safetensors")[NUDGED].view(torch.int16).view(-1) for s in (5, 6))
     moved = before != after
-    position = int((moved if changed else ~moved).nonzero()[0])
+    position = int((moved if changed_by is not None else ~moved).nonzero()[0])
     llm.collective_rpc(_nudge, args=(NUDGED, position))
     return {"position": position}
 
@@ -902,7 +861,9 @@ def main() -> None:
     elif scenario in ("mla", "mla-tp2"):
         result = mla(work, 2 if scenario == "mla-tp2" else 1)
     elif scenario == "offline":
-        result = offline(work, plain)
+        result = offline(work, 1, plain)
+    elif scenario == "offline-tp2":
+        result = offline(work, 2, plain)
     elif scenario == "forgery":
         result = forgery(work)
     elif scenario == "reload-fails":
