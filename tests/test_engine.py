@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,19 +53,58 @@ def publish(url: str, context: Context = Context.NONE) -> dict[int, dict[str, to
     only among the smallest quarter (by magnitude), as under Adam at its extreme: a delta is coded
     SPARSE, or CLASSED with `Context.EXPONENT`, never whole.  Under torchrun, each rank
     publishes its share."""
-    state, truth = checkpoint(), {}
+    state = checkpoint()
+
+    def change(step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        for tensor in state.values():
+            bits = tensor.view(torch.int16).view(-1)
+            size = tensor.float().abs().view(-1)
+            small = size <= size.quantile(0.25)
+            bits[(torch.rand(bits.numel(), generator=g) < 0.2) & small] += 1
+
     settings = PublisherSettings(base_every=4, codec=CodecOptions(context=context))
-    with DeltaPublisher(url, lambda: state, settings) as publisher:
-        for step in range(1, STEPS + 1):
-            g = torch.Generator().manual_seed(step)
-            for tensor in state.values():
-                bits = tensor.view(torch.int16).view(-1)
-                size = tensor.float().abs().view(-1)
-                small = size <= size.quantile(0.25)
-                bits[(torch.rand(bits.numel(), generator=g) < 0.2) & small] += 1
+    return publish_changes(url, state, change, settings, steps=STEPS)
+
+
+def publish_changes(
+    url: str,
+    state: dict[str, torch.Tensor],
+    change: Callable[[int], None],
+    settings: PublisherSettings | None = None,
+    steps: int = 3,
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 1 to `steps` of `state` published, `change(step)` made to it before each: the
+    trainer's state at each step (a copy), to compare an engine with."""
+    truth = {}
+    with DeltaPublisher(url, lambda: state, settings or PublisherSettings(base_every=4)) as publisher:
+        for step in range(1, steps + 1):
+            change(step)
             truth[step] = {k: v.clone() for k, v in state.items()}
             publisher.publish(step)
     return truth
+
+
+def walked_and_whole(state: dict[str, torch.Tensor]) -> Callable[[int], None]:
+    """From step 2, a few of `layer.q`'s elements change (a delta walked) and every one of the
+    rope's (its payload shipped whole)."""
+
+    def change(step: int) -> None:
+        if step > 1:
+            state["layer.q"].view(torch.int16).view(-1)[:: 7 * step] += 1
+            state["layer.rope"].view(torch.int16).add_(1)
+
+    return change
+
+
+def every_tensor_at_two_places(state: dict[str, torch.Tensor]) -> Callable[[int], None]:
+    """Every tensor changes at every step, in the first two elements of each row."""
+
+    def change(step: int) -> None:
+        for tensor in state.values():
+            tensor.view(torch.int16)[..., :2] += 1
+
+    return change
 
 
 def follower(
@@ -288,14 +328,8 @@ def test_a_payload_shipped_whole_from_the_step_held_is_checked_before_a_write_an
     in name order: the rope's, a kept copy the engine reloads, is the fifth of six). A forged value
     in it writes nothing."""
     monkeypatch.setattr(snapshot, "SMALL", 0)
-    state, truth = checkpoint(), {}
-    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
-        for step in (1, 2, 3):
-            if step > 1:
-                state["layer.q"].view(torch.int16).view(-1)[:: 7 * step] += 1  # a few: walked
-                state["layer.rope"].view(torch.int16).add_(1)  # every element: shipped whole
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    state = checkpoint()
+    truth = publish_changes(store_url, state, walked_and_whole(state))
     store = Store(store_url)
     assert [codec.mode_of(p) for p in store.read_part(2, 0, 1).payloads] == [Mode.SPARSE] * 4 + [Mode.RAW, Mode.SPARSE]
     forge_value(store, 3, payload=4)  # the rope's
@@ -602,13 +636,7 @@ def test_a_module_goes_in_place_or_through_the_reload_as_a_whole(store_url, by_m
         "proj.bias": torch.randn(8).to(torch.bfloat16),
         "norm.weight": torch.randn(DIM).to(torch.bfloat16),
     }
-    truth = {}
-    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
-        for step in range(1, 4):
-            for tensor in state.values():
-                tensor.view(torch.int16)[..., :2] += 1  # every tensor changes at every step
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    truth = publish_changes(store_url, state, every_tensor_at_two_places(state))
     engine = _Layered()
     specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
     params = dict(engine.named_parameters())
@@ -659,13 +687,7 @@ class _Derived(torch.nn.Module):
 def test_a_parameter_that_feeds_a_copy_made_after_loading_is_never_written_only_in_place(store_url):
     torch.manual_seed(0)
     state = {"kv.weight": torch.randn(8, DIM).to(torch.bfloat16), "norm.weight": torch.randn(DIM).to(torch.bfloat16)}
-    truth = {}
-    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
-        for step in range(1, 4):
-            for tensor in state.values():
-                tensor.view(torch.int16)[..., :2] += 1
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    truth = publish_changes(store_url, state, every_tensor_at_two_places(state))
     engine = _Derived()
     specs = {t.name: (t.shape, torch.bfloat16) for t in Store(store_url).run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load, dict(engine.named_parameters()), by_module=True)
@@ -781,14 +803,8 @@ def test_a_step_verified_ahead_with_a_payload_shipped_whole_is_written_after_its
     verified them, and they replace every element) and those walked (checked as they are written):
     a step of both, every tensor a payload of its own and the rope's whole, is written exact."""
     monkeypatch.setattr(snapshot, "SMALL", 0)
-    state, truth = checkpoint(), {}
-    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
-        for step in (1, 2, 3):
-            if step > 1:
-                state["layer.q"].view(torch.int16).view(-1)[:: 7 * step] += 1
-                state["layer.rope"].view(torch.int16).add_(1)
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    state = checkpoint()
+    truth = publish_changes(store_url, state, walked_and_whole(state))
     engine = Engine()
     live = follower(store_url, engine)
     live.write(live.prepare(2))
@@ -807,17 +823,17 @@ def test_a_weight_changed_under_a_torch_decoded_payload_after_a_walked_one_is_ca
     `layer.k` (payload 0) changed at spread positions (SPARSE, walked), `layer.q` (payload 3) among
     its smallest elements (CLASSED, decoded by torch)."""
     monkeypatch.setattr(snapshot, "SMALL", 0)
-    state, truth = checkpoint(), {}
+    state = checkpoint()
+
+    def change(step: int) -> None:
+        if step > 1:
+            state["layer.k"].view(torch.int16).view(-1)[step::7] += 1
+            q = state["layer.q"].view(torch.int16).view(-1)
+            size = state["layer.q"].float().abs().view(-1)
+            q[(size <= size.quantile(0.25)).nonzero().view(-1)[step::3]] += 1
+
     settings = PublisherSettings(base_every=4, codec=CodecOptions(context=Context.EXPONENT))
-    with DeltaPublisher(store_url, lambda: state, settings) as publisher:
-        for step in (1, 2, 3):
-            if step > 1:
-                state["layer.k"].view(torch.int16).view(-1)[step::7] += 1
-                q = state["layer.q"].view(torch.int16).view(-1)
-                size = state["layer.q"].float().abs().view(-1)
-                q[(size <= size.quantile(0.25)).nonzero().view(-1)[step::3]] += 1
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    truth = publish_changes(store_url, state, change, settings)
     engine = Engine()
     live = follower(store_url, engine)
     live.write(live.prepare(2))
@@ -867,14 +883,14 @@ def test_a_kept_copy_a_walk_changes_is_reloaded_into_the_engine_and_one_it_leave
     step's after each, and only the step that changed it reloads it (a walk reports the kept copies
     it wrote)."""
     apply = backend(walk, monkeypatch)
-    state, truth = checkpoint(), {}
-    with DeltaPublisher(store_url, lambda: state, PublisherSettings(base_every=4)) as publisher:
-        for step in (1, 2, 3):
-            state["layer.q"].view(torch.int16).view(-1)[step::11] += 1
-            if step == 2:
-                state["layer.rope"].view(torch.int16)[1] += 1
-            truth[step] = {k: v.clone() for k, v in state.items()}
-            publisher.publish(step)
+    state = checkpoint()
+
+    def change(step: int) -> None:
+        state["layer.q"].view(torch.int16).view(-1)[step::11] += 1
+        if step == 2:
+            state["layer.rope"].view(torch.int16)[1] += 1
+
+    truth = publish_changes(store_url, state, change)
     engine = Engine()
     reloaded = []
     load = engine.load_weights
