@@ -15,10 +15,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import ROOT
+from conftest import ROOT, DictObjects
+from lightning_delta import format as fmt
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_fleet import MODES, REGIONS, DelayProxy, Timeline, TokenBucket, digest, model_for
+from bench_fleet import MODES, REGIONS, DelayProxy, Timeline, TokenBucket, digest, model_for, written
 
 FIGURES = (
     "cross_region_bytes_per_step",
@@ -100,6 +101,25 @@ def test_a_replicas_waits_merge_while_another_replica_of_its_region_records_betw
         ("a", "generating", 100, 101),
         ("a", "waiting", 101, 103),
     ]
+
+
+def test_every_step_a_mirror_writes_is_timed_by_its_parts_markers():
+    """The mirror's lag is timed per step from its markers' writes at the mirror: a pass that
+    copies a backlog writes each step's markers, and each is timed (only the newest step of a pass
+    was, so the older ones, the latest, went uncounted); a blob, a base's bridge (written before
+    its part) and a marker already there time nothing."""
+    objects = DictObjects("dict://mirror")
+    events: list[dict] = []
+    written(objects, events, threading.Lock())
+    objects.create(fmt.commit_path(3, 0, 1), b"{}")  # there before: not written by this pass
+    keys = [fmt.RUN_MANIFEST, fmt.blob_path(3, 0, 1), fmt.commit_path(3, 0, 1), fmt.blob_path(4, 0, 1)]
+    keys += [fmt.commit_path(4, 0, 1)]
+    keys += [fmt.commit_path(5, 1, 2, bridge=True), fmt.commit_path(5, 1, 2), fmt.commit_path(5, 0, 2)]
+    events.clear()
+    for key in keys:
+        objects.create(key, b"{}")
+    assert [(e["replica"], e["kind"], e["step"]) for e in events] == [("mirror", "mirrored", s) for s in (4, 5, 5)]
+    assert all(isinstance(e["t"], float) for e in events)
 
 
 def write_sequence(folder: Path, steps: int) -> None:
