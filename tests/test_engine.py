@@ -463,9 +463,7 @@ def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_a
     live.close()
 
 
-def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_step_is_held(
-    store_url, wholes, caplog
-):
+def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_step_is_held(store_url, wholes, caplog):
     """A base step is written as it is checked (`whole_walk`: the follower holds no step to keep):
     a value only its checksum can catch raises `ChecksumError` (`update` tries the base once
     more), the log says the step was written in part, the follower then holds no step, and the
