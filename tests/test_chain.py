@@ -31,6 +31,7 @@ from lightning_delta import (
 from lightning_delta import format as fmt
 from lightning_delta import patch as patches
 from lightning_delta.codec import CodecOptions, Context
+from lightning_delta.errors import first_names
 from lightning_delta.publisher import PublisherSettings, step_metrics
 from lightning_delta.shards import named_tensors
 from lightning_delta.sinks import HeldCopies
@@ -672,7 +673,7 @@ def test_a_composed_chain_through_an_empty_delta_and_moved_exponents_decodes_exa
 
 def test_a_forged_value_in_a_payload_of_many_tensors_names_its_first_four(store_url):
     """The checksum's refusal names the tensors of the payload, the first four (a payload of small
-    tensors may hold hundreds)."""
+    tensors may hold hundreds), and how many it left out."""
     tensors = {name: (torch.arange(8) * 0.5 + i).bfloat16() for i, name in enumerate("abcde")}
     with DeltaPublisher(store_url, tensors, PublisherSettings(base_every=10)) as pub:
         for step in (1, 2):
@@ -688,5 +689,6 @@ def test_a_forged_value_in_a_payload_of_many_tensors_names_its_first_four(store_
     sink = HeldCopies(run, cpu)
     patches.apply(run, 0, base, sink)
     forge_value(store, 2)
-    with pytest.raises(ChecksumError, match=rf"^here step 2: payload 0 \(a, b, c, d\) {MESSAGE}$"):
+    with pytest.raises(ChecksumError, match=rf"^here step 2: payload 0 \(a, b, c, d and 1 more\) {MESSAGE}$"):
         patches.decode_rank(run, 0, [store.read_part(2, 0, 1)], base.state, sink, cpu, "here", False)
+    assert first_names(list("abcd")) == "a, b, c, d"  # none left out: nothing more said

@@ -463,18 +463,23 @@ def test_stopping_a_prefetcher_that_does_not_answer_times_out_and_waits_for_it_a
     live.close()
 
 
-def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_step_is_held(store_url, wholes):
+def test_a_forged_value_in_a_base_step_is_caught_as_it_is_walked_whole_and_no_step_is_held(store_url, wholes, caplog):
     """A base step is written as it is checked (`whole_walk`: the follower holds no step to keep):
     a value only its checksum can catch raises `ChecksumError` (`update` tries the base once
-    more), the follower then holds no step, and the next clean base heals."""
+    more), the log says the step was written in part, the follower then holds no step, and the
+    next clean base heals."""
     truth = publish(store_url)
     forge_value(Store(store_url), 1)
     engine = Engine()
     live = follower(store_url, engine)
-    said = f"step 1: payload 0 .*{MESSAGE}; the engine holds no step of the chain until it is loaded from a base$"
+    names = r"\(layer\.k, layer\.norm, layer\.o, layer\.q and 2 more\)"  # the payload's six tensors
+    said = f"step 1: payload 0 {names} {MESSAGE}; the engine holds no step of the chain until it is loaded from a base$"
+    caplog.set_level("WARNING", logger="lightning_delta.engine")
     with pytest.raises(ChecksumError, match=said):
         live.update(1)
     assert live.held_step is None and wholes[0] == 2
+    wrote = [m.startswith(f"{live.store.url}: step 1 was written only in part (") for m in caplog.messages]
+    assert wrote == [True, False, True]  # the update's write, its retry of the base, and that write
     with pytest.raises(DeltaError, match="holds no step"):
         live.verify()
     with pytest.raises(ChecksumError, match=MESSAGE):  # no step held: step 2 from the forged base (composed)
@@ -502,11 +507,14 @@ def test_a_base_payload_of_another_dtype_is_refused_as_it_is_walked_whole_naming
     assert live.held_step is None and wholes[0] == 0
 
 
-def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_nothing(store_url, wholes, monkeypatch):
+def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_nothing(
+    store_url, wholes, monkeypatch, caplog
+):
     """A failure before any payload is walked whole (the kept copy's memory, say) is the error
-    raised, nothing is walked, and no step is held (#39: with it dropped in `WholeWriter.write`, the
-    step was walked in part and refused by the checksum, or by a length mismatch).  Every tensor a
-    payload of its own: the rope's, the kept copy, is planned after four others."""
+    raised, nothing is walked, the log says nothing was written (not "written only in part"), and no
+    step is held (#39: with it dropped in `WholeWriter.write`, the step was walked in part and refused
+    by the checksum, or by a length mismatch).  Every tensor a payload of its own: the rope's, the
+    kept copy, is planned after four others."""
     monkeypatch.setattr(snapshot, "SMALL", 0)
     truth = publish(store_url)
     engine = Engine()
@@ -517,9 +525,14 @@ def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_no
 
     with monkeypatch.context() as m:
         m.setattr(live.plan, "keep", no_memory)
+        caplog.set_level("WARNING", logger="lightning_delta.engine")
         with pytest.raises(DeltaError, match=r"^MemoryError: no memory for the kept copy \(a stand-in\)$"):
             live.update(1)
     assert live.held_step is None and wholes[0] == 0
+    assert caplog.messages == [
+        f"{live.store.url}: step 1 was not written: nothing was written (no memory for the kept copy (a stand-in)); "
+        "the engine holds no step of the chain until it is loaded from a base"
+    ]
     live.update(1)
     assert exact(engine, truth[1])
 
@@ -562,11 +575,13 @@ def test_a_base_step_is_walked_whole_exactly_on_any_number_of_cores(store_url, w
     assert most[0] == cores and pending[0] == 0
 
 
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
+@pytest.mark.parametrize("context", [Context.NONE, Context.EXPONENT], ids=["sparse", "classed"])
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog, context):
     """The end of a write (the engine's reload of the tensors it cannot take in place) cannot be
-    taken back: where it raises, the follower holds no step and loads the step again from its base
-    at once; where that fails too, it says so, and the next update re-syncs."""
-    truth = publish(store_url)
+    taken back: where it raises, the follower holds no step, says the step was written in part (by
+    the walk, SPARSE, or by torch, CLASSED), and loads the step again from its base at once; where
+    that fails too, it says so, and the next update re-syncs."""
+    truth = publish(store_url, context)
     engine = Engine(cast_norm=True)  # the norm is cast: kept, and handed to the reload
     live = follower(store_url, engine)
     reload, calls = live._reload, []
@@ -588,6 +603,10 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(store_url, caplog):
     prepared, prefetched, _ = live.update(3)  # the reload raised once: step 3 again, from the base at 1
     assert calls == [["layer.norm", "layer.rope"]] * 2 and prepared.held is None and not prefetched
     assert "RuntimeError: the reload failed halfway; re-syncing step 3 from its base" in caplog.messages
+    assert (
+        f"{live.store.url}: step 3 was written only in part (the reload failed halfway); the engine holds no step "
+        "of the chain until it is loaded from a base"
+    ) in caplog.messages
     assert live.held_step == 3 and exact(engine, truth[3])
     live.verify()
 

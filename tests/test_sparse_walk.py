@@ -182,3 +182,20 @@ def test_a_segment_table_that_names_elements_outside_its_parameters_is_refused()
         sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 65), [param])
     sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 64), [param]).apply()
     assert param[0] == 1 and not param[1:].any()
+
+
+def test_compile_compiles_the_kernel_the_walks_call():
+    """`compile` (called as a follower starts) compiles the one kernel every walk's apply, check and
+    undo then calls, so a step never compiles it (#39: an empty float64 parameter compiled another)."""
+    sparse_walk.compile()
+    old = torch.randn(1000).to(torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[::50] += 1
+    packed = codec.parse(codec.encode(old, new), 1000)
+    assert packed.mode == Mode.SPARSE
+    table = np.array([[0, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    walk = sparse_walk.Walk(packed, sparse_walk.Segments(table, 1000), [old.view(torch.int16).numpy().copy()])
+    walk.check()
+    walk.apply()
+    walk.undo()
+    assert len(sparse_walk._kernel().signatures) == 1

@@ -4,6 +4,8 @@ their share of the payload's checksum (so the shares of a group's workers sum to
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,51 @@ def test_a_piece_past_the_tables_elements_is_refused():
     with pytest.raises(ValueError, match="4 int16 elements sent from the 7-th, the segment table holds 10"):
         whole_walk.Scattered(np.zeros(4, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)], 7)
     whole_walk.Scattered(np.zeros(3, dtype=np.int16), segments, [np.zeros(10, dtype=np.int16)], 7)  # the last piece
+
+
+def test_a_gather_from_the_start_th_without_a_buffer_is_the_rest_of_the_whole_gather():
+    """`gather(segments, start)` with no `out` returns the elements from the `start`-th on, as many
+    as are left (#39: a buffer of `count + start` elements survived)."""
+    packed = codec.parse(codec.encode(None, torch.randn(10).to(torch.bfloat16)), 10)
+    segments = sparse_walk.Segments(np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 10)
+    walk = whole_walk.WholeWalk(packed, segments, [np.zeros(10, dtype=np.int16)])
+    assert np.array_equal(walk.gather(segments, 3), walk.gather(segments)[3:])
+
+
+def test_elements_of_another_type_are_refused():
+    """Only int16 elements are written: a buffer of another type, of the right count, is refused (#39:
+    with the type check joined to the piece's bounds by `and`, it was written)."""
+    segments = sparse_walk.Segments(np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 10)
+    with pytest.raises(ValueError, match=r"^10 int32 elements sent, the segment table holds 10$"):
+        whole_walk.Scattered(np.zeros(10, dtype=np.int32), segments, [np.zeros(10, dtype=np.int16)])
+
+
+def test_compile_compiles_the_kernel_the_walks_call():
+    """`compile` (called as a follower starts) compiles the one kernel every walk, gather, scatter
+    and count then calls, so a base step never compiles it (#39: arguments of another type compiled
+    a second one, and the walks' own in the first base step)."""
+    whole_walk.compile()
+    packed = codec.parse(codec.encode(None, torch.randn(10).to(torch.bfloat16)), 10)
+    segments = sparse_walk.Segments(np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 10)
+    params = [np.zeros(10, dtype=np.int16)]
+    walk = whole_walk.WholeWalk(packed, segments, params)
+    walk.apply()
+    whole_walk.Scattered(walk.gather(segments), segments, params).apply()
+    assert len(whole_walk._kernel().signatures) == 1
+
+
+def test_a_walk_refuses_a_table_or_planes_of_another_payload_size():
+    """A walk trusts its table and planes: a table for payloads of another size, or planes shorter
+    than the payload (`codec.parse` sizes them: a guard against a change there), are refused before
+    any element is read (#39: without the size given to `check_fits`, a table of 11 positions read
+    a 10-element payload's planes past their end)."""
+    packed = codec.parse(codec.encode(None, torch.randn(10).to(torch.bfloat16)), 10)
+    longer = sparse_walk.Segments(np.array([[0, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 11)
+    with pytest.raises(ValueError, match=r"^the segment table is for payloads of 11 positions, not 10$"):
+        whole_walk.WholeWalk(packed, longer, [np.zeros(11, dtype=np.int16)])
+    segments = sparse_walk.Segments(np.array([[0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 10)
+    first, second = packed.sections
+    for cut in [(first[:9], second), (first, second[:9])]:
+        said = rf"^a RAW payload of 10 elements has planes of {len(cut[0])} and {len(cut[1])}$"
+        with pytest.raises(ValueError, match=said):
+            whole_walk.WholeWalk(dataclasses.replace(packed, sections=cut), segments, [np.zeros(10, dtype=np.int16)])

@@ -265,6 +265,7 @@ class EngineFollower:
         params = self._weights()
         reload = self._walk(prepared, params)  # taken back on every worker if any fails
         failure: Exception | None = None
+        written = bool(prepared.walked)  # what the walks wrote stays
         try:  # past the walk nothing is taken back: a failure anywhere means a re-sync everywhere
             reload |= self._whole.write(prepared.whole, prepared.chains, prepared.step, params)
             for rank, parts in enumerate(prepared.chains):
@@ -276,6 +277,7 @@ class EngineFollower:
                         if patch.whole is None and (patch.index is None or not patch.index.numel()):
                             continue
                         for s, offset in zip(view.slices, view.offsets, strict=False):
+                            written = True
                             reload |= self._torch.write_slice(s, offset, patch, params)
             if reload:
                 if self._reload is None:
@@ -288,10 +290,10 @@ class EngineFollower:
         except Exception as err:
             self._held, self._generation = None, self._generation + 1
             log.warning(
-                "%s: step %d was written only in part (%s); the engine holds no step of the chain until it is "
-                "loaded from a base",
+                "%s: step %d was %s (%s); the engine holds no step of the chain until it is loaded from a base",
                 self.store.url,
                 prepared.step,
+                "written only in part" if written or self._whole.wrote else "not written: nothing was written",
                 err,
             )
             if isinstance(err, DeltaError):

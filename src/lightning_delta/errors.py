@@ -98,3 +98,10 @@ def by_name(name: str) -> type[DeltaError]:
     worker of a group is raised, as the same type, by the others."""
     found = globals().get(name)
     return found if isinstance(found, type) and issubclass(found, DeltaError) and name in __all__ else DeltaError
+
+
+def first_names(names: list[str], most: int = 4) -> str:
+    """The first `most` names for a message, and how many were left out (a payload of small tensors
+    may hold hundreds): "a, b, c, d and 3 more"."""
+    left = len(names) - most
+    return ", ".join(names[:most]) + (f" and {left} more" if left > 0 else "")

@@ -21,7 +21,7 @@ from torch import Tensor
 from . import codec, records
 from . import format as fmt
 from .checksum import checksum, checksum_update
-from .errors import ChainError, ChecksumError, FormatError
+from .errors import ChainError, ChecksumError, FormatError, first_names
 from .sinks import Sink
 
 __all__ = ["LoadReport", "PayloadPatch", "PayloadView", "RankPatch", "RankState", "StepPatch", "decode_rank", "views"]
@@ -224,7 +224,7 @@ def decode_rank(
             if value != entry.checksum:
                 names = [run.manifest.tensors[s.tensor].name for s in view.slices]
                 raise ChecksumError(
-                    f"{where} step {part.header.step}: payload {i} ({', '.join(names[:4])}) does not reproduce "
+                    f"{where} step {part.header.step}: payload {i} ({first_names(names)}) does not reproduce "
                     "the trainer's checksum"
                 )
             sums[i], patches[i] = value, patch

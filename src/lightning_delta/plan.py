@@ -22,7 +22,7 @@ from torch import Tensor
 from . import codec, sparse_walk, whole_walk
 from . import format as fmt
 from .apply import ApplyBackend, Payload, Walker
-from .errors import ModelMismatchError, SnapshotNotFoundError
+from .errors import ModelMismatchError, SnapshotNotFoundError, first_names
 from .group import gather_json
 from .patch import PayloadView, RankState
 from .torch_path import flat_bits
@@ -147,7 +147,7 @@ class Plan:
     def where(self, rank: int, i: int, step: int) -> str:
         """Payload `i` of `rank` at `step` for a message: where it is and its first tensors."""
         names = [self.names[s.tensor] for s in self.views[rank][i].slices]
-        return f"{self.url} rank {rank} step {step}: payload {i} ({', '.join(names[:4])})"
+        return f"{self.url} rank {rank} step {step}: payload {i} ({first_names(names)})"
 
 
 def held_bits(tensor: Tensor, name: str) -> Tensor:

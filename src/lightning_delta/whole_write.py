@@ -45,6 +45,9 @@ class WholeWriter:
         if decisions.group is not None and plan.walks_whole:  # the same on every worker: one exchange or none
             self.peers = scatter.peer_tables(plan.tables, decisions.group)
         self._counts: dict[Key, list[tuple[int, int]]] = {}
+        self.wrote = False
+        """Whether the last `write` got past its plan (then it may have written elements, even if it
+        raised): a failure while planning, on any worker, writes nothing."""
 
     def write(
         self, whole: Collection[Key], chains: Sequence[tuple[fmt.Part, ...]], step: int, params: Mapping[str, Tensor]
@@ -55,6 +58,7 @@ class WholeWriter:
         piece by piece as it is decoded, and each piece received is written as it arrives
         (`scatter`).  A failure on any worker raises on all of them (the caller then holds no
         step).  Returns whether a kept copy changed."""
+        self.wrote = False
         if not whole:
             return False
         keys = sorted(whole)
@@ -85,6 +89,7 @@ class WholeWriter:
         group = self.decisions.group
         # in a group, past the agreement every worker posts every piece it agreed to
         scattering = scatter.agree(failure, sending, receiving, self.settings, group) if group is not None else None
+        self.wrote = failure is None
 
         def write_piece(at: int, start: int, values: np.ndarray) -> None:
             partials[at] += self.scattered(*keys[at], values, params, arrays, start)
