@@ -39,8 +39,7 @@ BUILT = {
     "mla-tp2": "mla",
 }
 """The chain each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
-bytes every time) and copied into each test's folder; forgery signs its own and sleep publishes as
-it goes."""
+bytes every time) and copied into each test's folder; sleep publishes as it goes."""
 
 
 def env_for(*, plain: bool, tp: int) -> dict[str, str]:
@@ -113,10 +112,19 @@ def test_the_plugin_entry_point_never_breaks_vllms_startup():
     assert no_flag.startswith("WARNING") and "_supports_onednn is gone" in no_flag
 
 
-def test_an_engine_with_plain_weights_takes_each_step_in_place(run, tmp_path):
-    result = run("offline", tmp_path, plain=True)
+@pytest.fixture(scope="module")
+def plain(run, tmp_path_factory) -> dict:
+    """One engine with plain weights (TP=1) for the tests of its steps in place and of the forgery,
+    which it meets last (vllm_job.offline): one engine start the fewer."""
+    return run("offline", tmp_path_factory.mktemp("plain"), plain=True)
+
+
+def test_an_engine_with_plain_weights_takes_each_step_in_place(plain):
+    result = plain
     assert result["paths"] == [[[21, 2886144], [0, 0]]]  # every tensor, written in place
     assert_followed(result, {1, 2, 3, 4, 5, 6})
+    # step 6, the newest, prepared by the prefetcher from step 5 and taken from it by the update
+    assert result["prefetched"] == [6] and result["taken"] == [[6]]
     reports = {int(s): row["report"][0] for s, row in result["steps"].items()}
     numel = reports[1]["numel"]
     assert reports[1]["changed"] == reports[5]["changed"] == numel  # from the bases
@@ -133,6 +141,7 @@ def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reloa
     # the norms in place; the linear layers, embedding and head (prepacked by oneDNN) reloaded
     assert result["paths"] == [[[5, 2560], [16, 2883584]]]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
+    assert result["prefetched"] == [6] and result["taken"] == [[6]]
 
 
 def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path):
@@ -175,9 +184,19 @@ def test_two_tensor_parallel_workers_share_one_download(run, tmp_path):
     assert_followed(result, {2})
     for worker in result["steps"]["2"]["report"]:
         assert 0 < worker["changed"] < worker["numel"], worker
-    for step in ("2", "6"):  # two trainer ranks: each worker fetched one rank's part, the other came from its peer
-        first, second = (r["bytes"] for r in result["steps"][step]["report"])
-        assert first > 0 and second > 0, step
+    # Two trainer ranks: worker w fetches rank w's part (vllm_backend's group, fetch.fetch_step), the
+    # other comes from its peer.  At step 2 (a delta from the step 1 held: one part a rank) each read
+    # one part, its own rank's (the bytes read count the markers too), and not the other's.
+    sizes = result["sizes"]
+    for worker, (row, own) in enumerate(zip(result["steps"]["2"]["report"], sizes, strict=True)):
+        assert row["parts"] == 1 and own <= row["bytes"] < sum(sizes), (worker, row, sizes)
+    first, second = (r["bytes"] for r in result["steps"]["6"]["report"])
+    assert first > 0 and second > 0
+    # step 6, prepared by both workers' prefetcher and taken from it; the check of its changes saw
+    # the weight changed behind the backend's back (on the worker holding it): written whole on both
+    assert result["prefetched"] == [6, 6] and result["taken"] == [[6], [6]]
+    for worker in result["steps"]["6"]["report"]:
+        assert worker["changed"] == worker["numel"], worker
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +236,11 @@ def test_the_generation_script_follows_the_demo_chain_with_a_vllm_engine(tmp_pat
     assert [r[8:] for r in vllm_rows] == [r[8:] for r in hf_rows]  # the same greedy tokens
 
 
-def test_an_engine_with_trusted_keys_refuses_the_forgery(run, tmp_path):
+def test_an_engine_with_trusted_keys_refuses_the_forgery(plain):
     """The issue's recipe against a signed chain: step 7 (every weight 7.0) refused with
-    `SignatureError` through vLLM's RPC; the engine keeps step 6, bit for bit."""
-    result = run("forgery", tmp_path, plain=True)
+    `SignatureError` through vLLM's RPC; the engine keeps step 6, bit for bit.  (On the plain
+    engine, after its steps: its backend initialised again, trusting the trainer's key.)"""
+    result = plain["forgery"]
     assert "6" not in result["errors"] and result["equal-after-6"]
     assert "SignatureError" in result["errors"]["7"] or "signature" in result["errors"]["7"]
     assert result["equal-after-7"] and result["version"] == "6"

@@ -5,18 +5,19 @@ by tests/test_vllm.py (never imported by pytest):
     .venv-vllm/bin/python tests/vllm_job.py build-KIND WORKDIR   # only the chain (chain, probe, mla)
 
 A tiny bf16 Llama is saved with `save_pretrained` (step 0), a chain of 6 steps is published from
-its weights (2% of the elements move by one ULP each step; bases at 1 and 5), and one value of
-step 3 is changed (tests/forge.py: its marker re-signed, so only the value checksum can catch it).
-Scenarios:
+its weights by two trainer ranks, signed (2% of the elements move by one ULP each step; bases at 1
+and 5), and one value of step 3 is changed (tests/forge.py: its marker rewritten, unsigned, so only
+the value checksum can catch it where no key is trusted).  Each engine start costs CI ~10-60 s, so
+scenarios that follow this chain share engines where they can:
 
 * offline (TP=1) and offline-tp2: an `LLM` with the backend follows steps 1, 2, 3 (damaged),
-  4 (its chain passes 3), 5 and 6; after each, its greedy log-probs are compared with a fresh
-  engine's loaded from the trainer's weights of that step.  Offline also changes a weight behind
-  the backend's back twice: where the next step changes it (the incremental check) and where it
-  does not, before a base step (the full check).
-* forgery: the chain signed by the trainer's key, and the issue's forgery (step 7, every weight
-  7.0, published elsewhere under the run's id by two ranks with another key, copied in): an engine
-  with `trusted_keys` takes step 6 and refuses step 7, keeping step 6's weights.
+  4 (its chain passes 3), 5 and 6 (taken from the prefetcher); after each, its greedy log-probs
+  are compared with a fresh engine's loaded from the trainer's weights of that step.  Offline also
+  changes a weight behind the backend's back twice: where the next step changes it (the
+  incremental check) and where it does not, before a base step (the full check).  Then:
+  Then, with plain weights, the forgery: the issue's forgery (step 7, every weight 7.0,
+  published elsewhere under the run's id by two ranks with another key, copied in): the backend,
+  initialised again with `trusted_keys`, takes step 6 and refuses step 7, keeping step 6's weights.
 * probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
   through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
 * probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
@@ -25,6 +26,7 @@ Scenarios:
 * mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
   (in place elsewhere), every parameter and buffer of every worker read back after each step
   beside a fresh engine's.
+
 * reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
   (the step is loaded again from its base at once), then in every reload of an update (the engine
   says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
@@ -57,17 +59,20 @@ from safetensors.torch import save_file
 import jobs
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
-STEPS, DAMAGED = 6, 3
+STEPS, DAMAGED, FORGED = 6, 3, 7
 ENGINE = {"dtype": "bfloat16", "skip_tokenizer_init": True, "max_model_len": 128, "enforce_eager": True}
 
 
-def build(work: str, key: str | None = None) -> None:
+def build(work: str) -> None:
     """The model at step 0, the chain of steps 1-6 published by two trainer ranks (each its half of
-    the weights) with step 3 damaged, and each step's weights in a folder a fresh engine loads."""
+    the weights), signed by the trainer's key, with step 3 damaged, and each step's weights in a
+    folder a fresh engine loads; and the forgery (step 7, `forge`) kept aside in `work/forged`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from forge import forge_value
     from lightning_delta import Store
+    from lightning_delta import format as fmt
+    from lightning_delta.signing import keygen
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -79,11 +84,17 @@ def build(work: str, key: str | None = None) -> None:
         num_key_value_heads=2,
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{work}/model")
-    torch.multiprocessing.spawn(publish, args=(work, key), nprocs=2)
-    forge_value(Store(f"{work}/store"), DAMAGED, 0, 2)
+    keygen(f"{work}/trainer")
+    keygen(f"{work}/attacker")
+    torch.multiprocessing.spawn(publish, args=(work, f"{work}/trainer"), nprocs=2)
+    forge_value(Store(f"{work}/store"), DAMAGED, 0, 2)  # its marker unsigned: only an engine that trusts keys sees that
+    os.makedirs(f"{work}/elsewhere")
+    shutil.copy(f"{work}/store/{fmt.RUN_MANIFEST}", f"{work}/elsewhere/")
+    torch.multiprocessing.spawn(forge, args=(work, Store(f"{work}/store").run().run_id), nprocs=2)
+    shutil.copytree(f"{work}/elsewhere/{fmt.step_dir(FORGED)}", f"{work}/forged")
 
 
-def publish(rank: int, work: str, key: str | None = None) -> None:
+def publish(rank: int, work: str, key: str) -> None:
     """One of the trainer's two ranks: every step moves 2% of the elements by one ULP."""
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -124,30 +135,23 @@ def forge(rank: int, work: str, run_id: str) -> None:
     state = {k: torch.full_like(v, 7.0) for k, v in load_file(f"{work}/model/model.safetensors").items()}
     settings = PublisherSettings(signing_key=f"{work}/attacker")
     with DeltaPublisher(f"{work}/elsewhere", lambda: state, settings, run_id=run_id) as publisher:
-        publisher.publish(7)
+        publisher.publish(FORGED)
     dist.destroy_process_group()
     jobs.end()
 
 
-def forgery(work: str) -> dict[str, Any]:
-    from vllm import LLM
-
-    from lightning_delta import Store
+def forgery(llm: Any, work: str, expected: list[Any]) -> dict[str, Any]:
+    """The issue's recipe on the plain engine, last: the backend initialised again with the trainer's
+    key trusted (the old follower closed first), step 6 taken from its base, then the forged step 7,
+    published beside it, refused; `expected` is a fresh engine's log-probs of step 6."""
     from lightning_delta import format as fmt
 
-    run_id = Store(f"{work}/store").run().run_id
-    os.makedirs(f"{work}/elsewhere")
-    shutil.copy(f"{work}/store/{fmt.RUN_MANIFEST}", f"{work}/elsewhere/")
-    torch.multiprocessing.spawn(forge, args=(work, run_id), nprocs=2)
-    shutil.copytree(f"{work}/elsewhere/{fmt.step_dir(7)}", f"{work}/store/{fmt.step_dir(7)}")
-    reference = LLM(model=f"{work}/step-6", **ENGINE, distributed_executor_backend="uni")
-    expected = logprobs(reference)
-    backend = {"backend": "lightning_delta"}
-    llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
+    llm.collective_rpc(_close)
     info = {"url": f"{work}/store", "prefetch": False, "trusted_keys": [f"{work}/trainer.pub"]}
     llm.init_weight_transfer_engine({"init_info": info})
+    shutil.copytree(f"{work}/forged", f"{work}/store/{fmt.step_dir(FORGED)}")
     result: dict[str, Any] = {"errors": {}}
-    for step in (6, 7):
+    for step in (STEPS, FORGED):
         llm.start_weight_update()
         try:
             llm.update_weights({"update_info": {"step": step}})
@@ -172,9 +176,12 @@ def logprobs(llm: Any) -> list[Any]:
 
 def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2, whose fresh engines take the
-    longest to start: step 2, the one sparse delta written in place into split weights), the weight
-    changed behind the backend's back in place."""
+    longest to start: step 2, the one sparse delta written in place into split weights), step 6
+    prefetched, the weight changed behind the backend's back in place; then, plain at TP=1, the
+    forgery on the same engine (`forgery`: an engine start saved)."""
     from vllm import LLM
+
+    from lightning_delta import format as fmt
 
     extra = {"tensor_parallel_size": tp} if tp > 1 else {"distributed_executor_backend": "uni"}
     compared = {1, 2, 3, 4, 5, 6} if tp == 1 else {2}
@@ -192,8 +199,13 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": True, "poll_seconds": 0.05}})
     result: dict[str, Any] = {"steps": {}, "errors": {}, "paths": llm.collective_rpc(_paths)}
+    # each trainer rank's part of step 2, a delta from the step 1 the engine then holds
+    result["sizes"] = [os.path.getsize(f"{work}/store/{fmt.blob_path(2, r, 2)}") for r in range(2)]
+    llm.collective_rpc(_watch_takes)
     held, seen = None, {}
     for step in (1, 2, 3, 4, 5, 6):
+        if step == 6:  # the newest: the prefetcher prepares it from step 5 while the engine serves
+            result["prefetched"] = llm.collective_rpc(_prefetched)
         if step == 6 and plain:  # a weight step 6 changes, changed behind the backend's back first
             result["incremental"] = nudge(llm, work, changed_by=6)
         llm.start_weight_update()  # an update that fails after it leaves the engine as it was
@@ -227,6 +239,9 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
         report = llm.collective_rpc(_report)[0]
         result["full"]["rebased"] = report["changed"] == report["numel"]
         result["full"]["equal"] = logprobs(llm) == reference(6)
+    result["taken"] = llm.collective_rpc(_taken)
+    if tp == 1 and plain:
+        result["forgery"] = forgery(llm, work, reference(6))
     return result
 
 
@@ -699,6 +714,37 @@ def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
     return {"position": position}
 
 
+def _close(worker: Any) -> None:
+    """Stop the follower's prefetcher before the backend is initialised again (a new follower)."""
+    worker.weight_transfer_engine.follower.close()
+
+
+def _watch_takes(worker: Any) -> None:
+    """Record the steps the follower takes from its prefetcher (`_taken`)."""
+    follower = worker.weight_transfer_engine.follower
+    take, taken = follower._take, []
+
+    def watched(step: int | None, verify: bool) -> Any:
+        prepared, prefetched = take(step, verify)
+        if prefetched:
+            taken.append(prepared.step)
+        return prepared, prefetched
+
+    follower._take, worker._taken = watched, taken
+
+
+def _taken(worker: Any) -> list[int]:
+    return worker._taken
+
+
+def _prefetched(worker: Any) -> int | None:
+    """The step the running prefetcher made, once it has (it stops when it has made one)."""
+    prefetcher = worker.weight_transfer_engine.follower.prefetcher
+    assert prefetcher.join(600), "the prefetcher never finished"
+    made = prefetcher.made()
+    return getattr(made, "step", None)
+
+
 def _verify(worker: Any) -> str:
     try:
         worker.weight_transfer_engine.verify()  # full_check="on_demand"'s trigger
@@ -715,7 +761,13 @@ def _report(worker: Any) -> dict[str, Any]:
     engine = worker.weight_transfer_engine
     report = engine.last_report
     numel = sum(t.numel for t in engine.follower.run.manifest.tensors)
-    return {"step": engine.applied, "changed": report.changed, "bytes": report.bytes_read, "numel": numel}
+    return {
+        "step": engine.applied,
+        "changed": report.changed,
+        "bytes": report.bytes_read,
+        "parts": report.parts_read,
+        "numel": numel,
+    }
 
 
 def _nudge(worker: Any, name: str, position: int) -> None:
@@ -836,13 +888,6 @@ def main() -> None:
     if scenario in BUILDS:
         BUILDS[scenario](work)
         return
-    key = None
-    if scenario == "forgery":
-        from lightning_delta.signing import keygen
-
-        keygen(f"{work}/trainer")
-        keygen(f"{work}/attacker")
-        key = f"{work}/trainer"
     if scenario == "sleep" or os.path.isdir(f"{work}/store"):
         pass  # the scenario publishes as it goes, or its chain was built and copied in
     elif scenario in ("probe", "probe-serve"):
@@ -850,7 +895,7 @@ def main() -> None:
     elif scenario.startswith("mla"):
         mla_build(work)
     else:
-        build(work, key)
+        build(work)
     plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
     if scenario == "sleep":
         result = sleep_mode(work)
@@ -864,8 +909,6 @@ def main() -> None:
         result = offline(work, 1, plain)
     elif scenario == "offline-tp2":
         result = offline(work, 2, plain)
-    elif scenario == "forgery":
-        result = forgery(work)
     elif scenario == "reload-fails":
         result = reload_fails(work)
     else:
