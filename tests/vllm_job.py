@@ -14,8 +14,8 @@ scenarios that follow this chain share engines where they can:
   4 (its chain passes 3), 5 and 6 (taken from the prefetcher); after each, its greedy log-probs
   are compared with a fresh engine's loaded from the trainer's weights of that step.  Offline also
   changes a weight behind the backend's back twice: where the next step changes it (the
-  incremental check) and where it does not, before a base step (the full check).  Then:
-  Then, with plain weights, the forgery: the issue's forgery (step 7, every weight 7.0,
+  incremental check) and where it does not, before a base step (the full check).  Then, with
+  plain weights, the forgery: the issue's forgery (step 7, every weight 7.0,
   published elsewhere under the run's id by two ranks with another key, copied in): the backend,
   initialised again with `trusted_keys`, takes step 6 and refuses step 7, keeping step 6's weights.
 * probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
