@@ -511,7 +511,7 @@ def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_no
     store_url, wholes, monkeypatch, caplog
 ):
     """A failure before any payload is walked whole (the kept copy's memory, say) is the error
-    raised, nothing is walked, the log says nothing was written (not "written only in part"), and no
+    raised, nothing is walked, the log says this worker wrote nothing (not "written only in part"), and no
     step is held (#39: with it dropped in `WholeWriter.write`, the step was walked in part and refused
     by the checksum, or by a length mismatch).  Every tensor a payload of its own: the rope's, the
     kept copy, is planned after four others."""
@@ -530,7 +530,7 @@ def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_no
             live.update(1)
     assert live.held_step is None and wholes[0] == 0
     assert caplog.messages == [
-        f"{live.store.url}: step 1 was not written: nothing was written (no memory for the kept copy (a stand-in)); "
+        f"{live.store.url}: step 1 was not written by this worker (no memory for the kept copy (a stand-in)); "
         "the engine holds no step of the chain until it is loaded from a base"
     ]
     live.update(1)

@@ -293,7 +293,8 @@ class EngineFollower:
                 "%s: step %d was %s (%s); the engine holds no step of the chain until it is loaded from a base",
                 self.store.url,
                 prepared.step,
-                "written only in part" if written or self._whole.wrote else "not written: nothing was written",
+                # per worker: where another worker's write failed, this one may have written nothing
+                "written only in part" if written or self._whole.wrote else "not written by this worker",
                 err,
             )
             if isinstance(err, DeltaError):
