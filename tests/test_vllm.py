@@ -264,7 +264,9 @@ def test_an_engine_with_trusted_keys_refuses_the_forgery(plain):
     `SignatureError` through vLLM's RPC; the engine keeps step 6, bit for bit.  (On the plain
     engine, after its steps: its backend initialised again, trusting the trainer's key.)"""
     result = plain["forgery"]
-    assert "6" not in result["errors"] and result["equal-after-6"]
+    assert result["threads"] == 0  # initialised again: the old follower's prefetcher stopped
+    assert "5" not in result["errors"] and "6" not in result["errors"]
+    assert result["equal-after-5"] and result["equal-after-6"]  # the signed base and delta written
     assert "SignatureError" in result["errors"]["7"] or "signature" in result["errors"]["7"]
     assert result["equal-after-7"] and result["version"] == "6"
 

@@ -140,18 +140,18 @@ def forge(rank: int, work: str, run_id: str) -> None:
     jobs.end()
 
 
-def forgery(llm: Any, work: str, expected: list[Any]) -> dict[str, Any]:
+def forgery(llm: Any, work: str, expected: dict[int, list[Any]]) -> dict[str, Any]:
     """The issue's recipe on the plain engine, last: the backend initialised again with the trainer's
-    key trusted (the old follower closed first), step 6 taken from its base, then the forged step 7,
-    published beside it, refused; `expected` is a fresh engine's log-probs of step 6."""
+    key trusted (the old follower's prefetcher stopped by it), the signed steps 5 (its base) and 6 (a
+    delta) taken, then the forged step 7, published beside it, refused; `expected` holds fresh
+    engines' log-probs of steps 5 and 6 (the engine holds step 6 before: step 5 shows a write)."""
     from lightning_delta import format as fmt
 
-    llm.collective_rpc(_close)
     info = {"url": f"{work}/store", "prefetch": False, "trusted_keys": [f"{work}/trainer.pub"]}
     llm.init_weight_transfer_engine({"init_info": info})
     shutil.copytree(f"{work}/forged", f"{work}/store/{fmt.step_dir(FORGED)}")
-    result: dict[str, Any] = {"errors": {}}
-    for step in (STEPS, FORGED):
+    result: dict[str, Any] = {"errors": {}, "threads": _prefetchers()}
+    for step in (STEPS - 1, STEPS, FORGED):
         llm.start_weight_update()
         try:
             llm.update_weights({"update_info": {"step": step}})
@@ -161,7 +161,7 @@ def forgery(llm: Any, work: str, expected: list[Any]) -> dict[str, Any]:
             with contextlib.suppress(Exception):  # closes the update where a worker kept it open
                 llm.finish_weight_update()
         llm.reset_prefix_cache()
-        result[f"equal-after-{step}"] = logprobs(llm) == expected
+        result[f"equal-after-{step}"] = logprobs(llm) == expected[min(step, STEPS)]
     result["version"] = llm.get_weight_version()
     return result
 
@@ -229,6 +229,7 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
             "report": llm.collective_rpc(_report),
         }
     result["version"] = llm.get_weight_version()
+    result["taken"] = llm.collective_rpc(_taken)  # before the full check re-syncs (a prefetcher again)
     if plain and tp == 1:  # a weight no step changes, changed behind its back: only the full check sees it
         result["full"] = nudge(llm, work, changed_by=None)
         result["full"]["verify"] = llm.collective_rpc(_verify)
@@ -239,9 +240,8 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
         report = llm.collective_rpc(_report)[0]
         result["full"]["rebased"] = report["changed"] == report["numel"]
         result["full"]["equal"] = logprobs(llm) == reference(6)
-    result["taken"] = llm.collective_rpc(_taken)
     if tp == 1 and plain:
-        result["forgery"] = forgery(llm, work, reference(6))
+        result["forgery"] = forgery(llm, work, {5: reference(5), 6: reference(6)})
     return result
 
 
@@ -714,11 +714,6 @@ def nudge(llm: Any, work: str, changed_by: int | None) -> dict[str, Any]:
     return {"position": position}
 
 
-def _close(worker: Any) -> None:
-    """Stop the follower's prefetcher before the backend is initialised again (a new follower)."""
-    worker.weight_transfer_engine.follower.close()
-
-
 def _watch_takes(worker: Any) -> None:
     """Record the steps the follower takes from its prefetcher (`_taken`)."""
     follower = worker.weight_transfer_engine.follower
@@ -734,7 +729,7 @@ def _watch_takes(worker: Any) -> None:
 
 
 def _taken(worker: Any) -> list[int]:
-    return worker._taken
+    return list(worker._taken)  # a copy: in this process the list itself would grow after
 
 
 def _prefetched(worker: Any) -> int | None:

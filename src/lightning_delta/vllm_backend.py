@@ -243,6 +243,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         from vllm.distributed.parallel_state import get_tp_group
 
         _report_through_vllm()
+        if self.follower is not None:  # initialised again: the old prefetcher must not poll (and read
+            self.follower.close()  # the weights) beside the new follower's, nor past a sleep
         tp = get_tp_group()
         group = None
         if tp.world_size > 1:  # a group of our own: a prefetching thread never shares vLLM's
