@@ -57,9 +57,13 @@ def env_for(*, plain: bool, tp: int) -> dict[str, str]:
     return env
 
 
-def job(scenario: str, work: Path, env: dict[str, str]) -> None:
+def need_venv() -> None:
     if not PYTHON.exists():
         pytest.fail(f"{PYTHON} is missing: scripts/setup.sh makes the vLLM venv these tests run in")
+
+
+def job(scenario: str, work: Path, env: dict[str, str]) -> None:
+    need_venv()
     run_all([str(PYTHON), str(ROOT / "tests" / "vllm_job.py"), scenario, str(work)], env, 900, scenario)
 
 
@@ -86,7 +90,7 @@ def run(tmp_path_factory) -> Callable[..., dict]:
 PREPACKS = """
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-layer = torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16)
+layer = torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16).requires_grad_(False)  # as vLLM's
 dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
 print(layer.weight.numel() == 0)
 """
@@ -98,8 +102,8 @@ def prepacks() -> None:
     oneDNN bf16 matmul needs AVX-512, and on an AVX2-only CPU (some of these machines are AMD EPYC
     with AVX2 only) vLLM falls back to torch's linear over the checkpoint's own weights, so there is
     no prepacked copy to reload or to leave stale. vLLM's own dispatch decides, on one bf16 layer."""
-    env = {**ENV, "PYTHONPATH": VLLM_PATH}
-    proc = run_all([str(PYTHON), "-c", PREPACKS], env, 300, "prepacks")
+    need_venv()
+    proc = run_all([str(PYTHON), "-c", PREPACKS], {**ENV, "PYTHONPATH": VLLM_PATH}, 300, "prepacks")
     if proc.stdout.strip().splitlines()[-1] != "True":
         pytest.skip("vLLM does not prepack bf16 linear weights on this CPU (no AVX-512): nothing to reload")
 
