@@ -15,9 +15,9 @@ scenarios that follow this chain share engines where they can:
   are compared with a fresh engine's loaded from the trainer's weights of that step.  Offline also
   changes a weight behind the backend's back twice: where the next step changes it (the
   incremental check) and where it does not, before a base step (the full check).  Then, with
-  plain weights, the forgery: the issue's forgery (step 7, every weight 7.0,
-  published elsewhere under the run's id by two ranks with another key, copied in): the backend,
-  initialised again with `trusted_keys`, takes step 6 and refuses step 7, keeping step 6's weights.
+  plain weights, the issue's forgery (step 7, every weight 7.0, published elsewhere under the run's
+  id by two ranks with another key, copied in): the backend, initialised again with
+  `trusted_keys`, takes the signed steps 5 and 6 and refuses step 7, keeping step 6's weights.
 * probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
   through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
 * probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
@@ -26,7 +26,6 @@ scenarios that follow this chain share engines where they can:
 * mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
   (in place elsewhere), every parameter and buffer of every worker read back after each step
   beside a fresh engine's.
-
 * reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
   (the step is loaded again from its base at once), then in every reload of an update (the engine
   says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
