@@ -5,6 +5,7 @@ The real vLLM engine is in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -13,15 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from conftest import ROOT, replace_blob, torchrun
+from conftest import ROOT, Revealing, replace_blob, torchrun
 from forge import MESSAGE, forge_value
 from fused import DIM, HIDDEN, Engine, checkpoint
 from lightning_delta import (
     ChecksumError,
     DeltaError,
     DeltaPublisher,
+    MissingObjectError,
     ModelMismatchError,
+    NotCompleteYetError,
     PublisherSettings,
     SnapshotNotFoundError,
     Store,
@@ -108,14 +113,14 @@ def every_tensor_at_two_places(state: dict[str, torch.Tensor]) -> Callable[[int]
 
 
 def follower(
-    url: str,
+    url: str | Store,
     engine: Engine,
     apply: ApplyBackend | None = None,
     group: dist.ProcessGroup | None = None,
     scatter: ScatterSettings | None = None,
 ) -> EngineFollower:
-    """A follower of `url` writing into `engine` (one worker of `group`, if any), as a backend makes it."""
-    store = Store(url)
+    """A follower of `url` (or a store) writing into `engine` (one worker of `group`, if any), as a backend makes it."""
+    store = url if isinstance(url, Store) else Store(url)
     specs = {t.name: (t.shape, fmt.DType(t.dtype).torch) for t in store.run().manifest.tensors}
     view_map = ViewMap.learn(specs, engine.load_weights, dict(engine.named_parameters()))
 
@@ -993,3 +998,128 @@ def test_a_full_check_whose_weights_cannot_be_listed_raises_that_error(store_url
     with pytest.raises(RuntimeError, match=r"^the weights were released$"):
         live.verify()
     assert live.held_step == 2 and exact(engine, truth[2])
+
+
+# ----------------------------------------------------------------------------- stores that fill out of order
+
+
+@pytest.fixture(scope="module")
+def chain_objects(tmp_path_factory) -> tuple[dict[str, bytes], dict[int, dict[str, torch.Tensor]]]:
+    """`publish`'s chain (bases at 1 and 5, 5's bridge) as objects, and the trainer's steps."""
+    root = tmp_path_factory.mktemp("chain")
+    truth = publish(str(root))
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}, truth
+
+
+def all_but(objects: dict[str, bytes], lost: str) -> Revealing:
+    """Every object shown but `lost` (`shown.add(lost)` shows it)."""
+    store = Revealing(objects, sorted(objects), [len(objects)], hidden=frozenset({lost}))
+    store.shown |= set(objects) - {lost}
+    return store
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_an_engine_on_a_store_that_fills_out_of_order_holds_only_exact_steps(chain_objects, data, caplog):
+    """Markers before their blobs, steps before the steps they chain to, revealed a batch at each
+    poll: `update(None)` takes the newest complete step or raises `NotCompleteYetError` keeping the
+    step held, never warns (no re-plan from a base: the warning says so), and ends at step 8."""
+    objects, truth = chain_objects
+    order = data.draw(st.permutations(sorted(set(objects) - {"run.json"})))
+    batches = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=6).filter(any))
+    revealing = Revealing(objects, order, batches)
+    revealing.shown.add("run.json")  # an engine's follower starts from the run manifest
+    engine = Engine()
+    live = follower(Store(revealing), engine)
+    caplog.clear()
+    caplog.set_level(logging.DEBUG, logger="lightning_delta")
+    held = []
+    for _ in range(4 * len(objects)):
+        try:
+            live.update(None)
+        except NotCompleteYetError:
+            pass
+        except SnapshotNotFoundError:  # nothing listed yet
+            assert live.held_step is None
+        if live.held_step is not None:
+            held.append(live.held_step)
+            assert exact(engine, truth[live.held_step])
+        if live.held_step == STEPS:
+            break
+    assert held[-1] == STEPS and held == sorted(held), held
+    assert warnings_of(caplog) == []
+
+
+def test_an_engines_prefetcher_takes_the_newest_complete_step_and_the_newer_one_at_its_next_poll(chain_objects):
+    objects, truth = chain_objects
+    lost = fmt.blob_path(6, 0, 1)  # 6 and 7 chain through it, 8 too
+    hidden = all_but(objects, lost)
+    engine = Engine()
+    live = follower(Store(hidden), engine)
+    live.update(3)
+    live.prefetch(0.001)
+    assert live.prefetcher.join(60)  # 8, 7 and 6 not complete yet: 5 made ready
+    prepared, prefetched, _ = live.update(None)
+    assert (prepared.step, prefetched) == (5, True) and exact(engine, truth[5])
+    live.prefetch(0.001)
+    while live.prefetcher.made() is None:  # polling 6 to 8, none complete: nothing made
+        assert live.prefetcher.running
+        hidden.shown.add(lost)  # the blob arrives: the next poll takes 8
+        live.prefetcher.join(0.01)
+    prepared, prefetched, _ = live.update(None)
+    assert (prepared.step, prefetched) == (STEPS, True) and exact(engine, truth[STEPS])
+
+
+def test_an_explicit_update_to_a_step_not_complete_yet_keeps_the_step_held_until_missing_after(chain_objects, caplog):
+    """Not complete yet: `NotCompleteYetError`, nothing written, no base read, no warning; once
+    the object has been missing for `missing_after` (a fake clock), damage as before: the step is
+    tried from its base, with a warning, and `MissingObjectError`."""
+    objects, truth = chain_objects
+    lost = fmt.blob_path(4, 0, 1)
+    hidden = all_but(objects, lost)
+    engine = Engine()
+    live = follower(Store(hidden), engine)
+    live.update(3)
+    now = [0.0]
+    live.missing.clock = lambda: now[0]
+    caplog.set_level(logging.WARNING, logger="lightning_delta")
+    before = hidden.bytes_read
+    for _ in range(2):
+        with pytest.raises(NotCompleteYetError, match=lost):
+            live.update(4)
+        now[0] += live.missing.missing_after / 2 - 1e-3
+    assert live.held_step == 3 and exact(engine, truth[3]) and warnings_of(caplog) == []
+    assert hidden.bytes_read - before < len(objects[fmt.blob_path(1, 0, 1)])  # the markers, not the base
+    now[0] += 1e-2
+    with pytest.raises(MissingObjectError, match=lost) as raised:
+        live.update(4)
+    assert not isinstance(raised.value, NotCompleteYetError)
+    assert len(warnings_of(caplog)) == 1 and "trying from its base" in warnings_of(caplog)[0]
+    assert live.held_step == 3 and exact(engine, truth[3])
+    hidden.shown.add(lost)
+    live.update(4)
+    assert exact(engine, truth[4])
+
+
+def test_an_object_missing_counts_towards_missing_after_only_since_the_engine_last_took_a_step(chain_objects):
+    """A follower that keeps taking steps is not stuck: the clock restarts at each write (without
+    the restart, step 6 here would count as lost, as it would for `follow`)."""
+    objects, truth = chain_objects
+    lost = fmt.blob_path(6, 0, 1)
+    engine = Engine()
+    live = follower(Store(all_but(objects, lost)), engine)
+    live.update(3)
+    now = [0.0]
+    live.missing.clock = lambda: now[0]
+    for step in (4, 5):
+        with pytest.raises(NotCompleteYetError):
+            live.update(6)
+        now[0] += 0.75 * live.missing.missing_after
+        live.update(step)
+    with pytest.raises(NotCompleteYetError):
+        live.update(6)
+    assert live.held_step == 5 and exact(engine, truth[5])

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import needs
 from lightning_delta import (
     DeltaLoader,
     DeltaPublisher,
@@ -30,6 +31,7 @@ from lightning_delta import (
     apply,
     bitpack,
     codec,
+    device_walk,
     elias_fano,
     sparse_walk,
 )
@@ -40,8 +42,7 @@ from lightning_delta.errors import FormatError
 from test_engine import Engine, exact, follower, publish
 from test_sparse_walk import UNCOMPRESSED, bits, hostile, place, walks
 
-pytest.importorskip("triton")
-device_walk = pytest.importorskip("lightning_delta.device_walk")
+needs("triton")
 
 MASK64 = (1 << 64) - 1
 WHOLE = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]  # a run over the whole payload, owned (lo, hi set per case)

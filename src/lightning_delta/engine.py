@@ -18,6 +18,10 @@ tensor-parallel group together:
 - `group`: every decision taken in one exchange that carries any worker's failure to all;
 - `prefetch`: the next step prepared in the background while the engine serves.
 
+On a store that fills out of order (a replicated bucket), a listed step an object of which is not
+there yet is not complete yet (`incomplete`): `NotCompleteYetError`, the step held kept, nothing read
+from a base; the prefetcher and `update(None)` take the newest complete step meanwhile.
+
 A failed update leaves nothing written, or (past the point where it can be taken back) no step
 held, so the next one loads from a base.  Framework-free: an engine adapter (`vllm_backend`) gives
 the loader call, the parameters, the reload and the group.
@@ -41,8 +45,16 @@ from . import checks, plan
 from . import format as fmt
 from . import group as decisions
 from .apply import ApplyBackend
-from .errors import ChecksumError, DeltaError, SnapshotNotFoundError, StoreError
+from .errors import (
+    ChecksumError,
+    DeltaError,
+    MissingObjectError,
+    NotCompleteYetError,
+    SnapshotNotFoundError,
+    StoreError,
+)
 from .fetch import HeldDiffers, fetch_step
+from .incomplete import MissingClock
 from .loader import FullCheck
 from .patch import LoadReport, RankState, views
 from .prefetch import Prefetcher, PrefetchTimeoutError
@@ -101,6 +113,9 @@ class EngineFollower:
             `DeviceError` where the failure broke the device's CUDA context.
         scatter: how a base step's decoded elements travel between the group's workers (the size of
             the pieces that bound their buffers; `scatter.ScatterSettings`).
+        missing_after: seconds an object a listed step needs may stay missing (the step is not
+            complete yet: `NotCompleteYetError`) before the step counts as damage
+            (`FollowSettings.missing_after`).
 
     Whatever any worker raises (a store error, an out-of-memory, a bug), every worker of the group
     reaches the same decision: the failing worker's error, as a `DeltaError` naming it, on all.
@@ -119,6 +134,7 @@ class EngineFollower:
         stop_seconds: float = 600.0,
         apply: ApplyBackend | None = None,
         scatter: ScatterSettings | None = None,
+        missing_after: float = 120.0,
     ) -> None:
         self.store, self.map, self._params, self._reload = store, view_map, params, reload
         self.group, self.device, self.full_check = group, device or torch.device("cpu"), full_check
@@ -151,6 +167,8 @@ class EngineFollower:
         self.prefetcher = Prefetcher[EngineStep](self.device, store.url)
         """The background preparation of the next step (`prefetch`)."""
         self.stop_seconds = stop_seconds
+        self.missing = MissingClock(missing_after)
+        """When each object a listed step needs was first found missing (restarted at each write)."""
 
     # ------------------------------------------------------------------ facts
 
@@ -199,6 +217,9 @@ class EngineFollower:
         try:
             states, chains, walked, whole, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
+            if isinstance(err, MissingObjectError) and not self._lost(err):
+                log.debug("step %d is not complete yet, the engine keeps step %s: %s", step, self.held_step, err)
+                raise NotCompleteYetError(f"step {step} is not complete yet: {err}", err.key) from err
             if isinstance(err, StoreError) or (held is None and not isinstance(err, HeldDiffers)):
                 raise
             log.warning("step %d does not rebuild from the step held (%s); trying from its base", step, err)
@@ -216,6 +237,11 @@ class EngineFollower:
             probe=states[0].probe,
         )
         return EngineStep(step, states, chains, held, report, generation, walked, whole)
+
+    def _lost(self, err: MissingObjectError) -> bool:
+        """Whether `err`'s object counts as lost (`MissingClock`): group rank 0's verdict, on every
+        worker (each met the error, as the group agreed on it in `_prepare`)."""
+        return bool(self.decisions.decide(int(self.missing.lost(err)))[0])
 
     def _prepare(
         self, step: int, held: list[RankState] | None, verify: bool
@@ -301,6 +327,7 @@ class EngineFollower:
                 raise
             raise DeltaError(f"{type(err).__name__}: {err}") from err
         self._held, self._generation = prepared.states, self._generation + 1
+        self.missing.restart()
         return time.perf_counter() - started
 
     def _check_changes(self, prepared: EngineStep) -> None:
@@ -413,17 +440,14 @@ class EngineFollower:
 
         def next_step(stop: threading.Event) -> EngineStep | None:
             while True:
-                choice: int | Exception
-                try:  # a store error here must reach the decision, or the others wait in it
-                    steps = self._reader.steps(after=held)
-                    choice = _STOP if stop.is_set() else (steps[-1] if steps else _NONE)
-                except Exception as err:
-                    choice = err
-                decided = self.decisions.decide(choice)
-                if _STOP in decided:
+                try:
+                    found = self._newest_complete(held, True, stop)
+                except NotCompleteYetError:  # every newer step: tried again at the next poll
+                    found = _NONE
+                if found == _STOP:
                     return None
-                if decided[0] != _NONE:
-                    return self.prepare(decided[0])
+                if isinstance(found, EngineStep):
+                    return found
                 stop.wait(poll_seconds)
 
         self.prefetcher.start(next_step, self.stop_seconds)
@@ -440,10 +464,52 @@ class EngineFollower:
     def _take(self, step: int | None, verify: bool) -> tuple[EngineStep, bool]:
         self._stop_prefetch()
         ready = self.prefetcher.take()
-        wanted = self.newest() if step is None else step
-        if ready is not None and ready.generation == self._generation and ready.step == wanted:
+        if ready is not None and ready.generation != self._generation:
+            ready = None
+        if step is None:  # the newest complete step, which the prefetcher may have made ready
+            try:
+                found = self._newest_complete(self.held_step if ready is None else ready.step, verify)
+            except NotCompleteYetError:
+                if ready is None:
+                    raise
+                found = _NONE
+            if isinstance(found, EngineStep):
+                return found, False
+            if ready is not None:
+                return ready, True
+            step = self.newest()  # none newer listed: the step held, prepared again, as before
+        if ready is not None and ready.step == step:
             return ready, True
-        return self._prepare_step(wanted, verify), False
+        return self._prepare_step(step, verify), False
+
+    def _newest_complete(
+        self, after: int | None, verify: bool, stop: threading.Event | None = None
+    ) -> EngineStep | int:
+        """The newest complete step listed after `after` (group rank 0's listing), prepared: a step
+        not complete yet is passed over for the next older one; `_NONE` if none is listed, `_STOP`
+        once `stop` is set on any worker.  Where every newer step listed is not complete yet, the
+        newest one's `NotCompleteYetError`."""
+        waiting: set[int] = set()
+        incomplete: NotCompleteYetError | None = None
+        while True:
+            choice: int | Exception
+            try:  # a store error here must reach the decision, or the others wait in it
+                steps = [s for s in self._reader.steps(after=after) if s not in waiting]
+                choice = _STOP if stop is not None and stop.is_set() else (steps[-1] if steps else _NONE)
+            except Exception as err:
+                choice = err
+            decided = self.decisions.decide(choice)
+            if _STOP in decided:
+                return _STOP
+            if decided[0] == _NONE:
+                if incomplete is not None:
+                    raise incomplete
+                return _NONE
+            try:
+                return self._prepare_step(decided[0], verify)
+            except NotCompleteYetError as err:
+                incomplete = incomplete or err
+                waiting.add(decided[0])
 
     def _stop_prefetch(self) -> None:
         """Stop the prefetcher, keeping the step it made ready for `take` (`Prefetcher.stop`)."""

@@ -15,6 +15,7 @@ __all__ = [
     "FormatError",
     "MissingObjectError",
     "ModelMismatchError",
+    "NotCompleteYetError",
     "PublishError",
     "SignatureError",
     "SnapshotNotFoundError",
@@ -52,6 +53,12 @@ class MissingObjectError(ChainError, FormatError):
         self.key = key or message
         """The missing object's key below the store's prefix (a worker of a group that learns of
         the error from another has only its message)."""
+
+
+class NotCompleteYetError(MissingObjectError):
+    """A step is listed, but an object it needs has been missing for less than `missing_after`:
+    on a store that fills out of order it is not there yet.  Nothing was read from a base and
+    nothing written; the step is worth asking for again at the next poll."""
 
 
 class SignatureError(DeltaError, ValueError):

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import DeltaError, MissingObjectError, SignatureError, StoreError
+from .incomplete import MissingClock
 from .patch import LoadReport, StepPatch
 
 __all__ = ["FollowSettings", "FollowedStep", "follow"]
@@ -214,15 +215,10 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
         last = source.held_step  # newer steps than the one held
         skipped: list[int] = []
         waiting: set[int] = set()  # listed steps found not complete yet since the last pause
-        missing: dict[str, float] = {}  # an object found missing -> when it was first
+        missing = MissingClock(settings.missing_after)
         forged: set[int] = set()  # refused by signature: passed over, never a reason to skip past
         idle_since, said = time.monotonic(), False
         handed_out = False
-
-        def overdue(err: MissingObjectError) -> bool:
-            """Whether `err`'s object has been missing for `missing_after` (as this worker saw it)."""
-            since = missing.setdefault(err.key, time.monotonic())
-            return time.monotonic() - since >= settings.missing_after
 
         def attempt(step: int) -> StepPatch | DeltaError | None:
             """`step` prepared; None if an object it needs is not there yet; the error if the step
@@ -236,7 +232,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                 error = err
             verdict = _FORGED if isinstance(error, SignatureError) else _BROKEN
             if isinstance(error, MissingObjectError):
-                verdict = _LOST if overdue(error) else _WAIT
+                verdict = _LOST if missing.lost(error) else _WAIT
             verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
             if verdict == _WAIT:
                 log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
@@ -269,7 +265,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     decision = (newer[-1] if settings.jump else newer[0]) if newer else _NONE
                     decision = _NONE if decision in waiting else decision
                 except MissingObjectError as err:  # steps listed before the run manifest arrived
-                    decision = _NONE if not overdue(err) else err
+                    decision = _NONE if not missing.lost(err) else err
                 except DeltaError as err:
                     decision = err
                 if decision == _NONE and settings.timeout is not None:
@@ -305,7 +301,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     newer_count = err
                 behind = source.decide(newer_count)[0]
                 last, idle_since = newest, time.monotonic()
-                missing.clear()
+                missing.restart()
                 if settings.max_staleness is not None and behind > settings.max_staleness:
                     log.warning("following: step %d is %d steps behind the store", newest, behind)
                     if settings.catch_up:  # take the newest instead, decoded against the same state

@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 from . import format as fmt
 from .apply import ApplyBackend
 from .engine import EngineFollower
-from .errors import DeltaError, SnapshotNotFoundError
+from .errors import DeltaError, NotCompleteYetError, SnapshotNotFoundError
 from .loader import FullCheck
 from .patch import LoadReport
 from .records import enum_member
@@ -157,6 +157,9 @@ class DeltaInitInfo(WeightTransferInitInfo):
     `update_weights` only writes it."""
     poll_seconds: float = 1.0
     """How often the prefetcher looks for a newer step."""
+    missing_after: float = 120.0
+    """Seconds an object a listed step needs may stay missing (on a store that fills out of order)
+    before the step counts as damage; until then it is not complete yet (`FollowSettings.missing_after`)."""
     trusted_keys: list[str] = field(default_factory=list)
     """Public keys (paths or `ed25519:...` text) the run must be signed by (`LoaderSettings.trusted_keys`)."""
     probe_tolerance: float | None = None
@@ -273,6 +276,7 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             device=self.device,
             full_check=enum_member(FullCheck, init_info.full_check),
             apply=None if init_info.apply is None else enum_member(ApplyBackend, init_info.apply),
+            missing_after=init_info.missing_after,
         )
         (inplace, inplace_bytes), (reloaded, reloaded_bytes) = self.follower.paths()
         reasons = sorted({why.split(" (")[0] for why in view_map.refused.values()})
@@ -330,7 +334,14 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         try:
             prepared, prefetched, wrote = self.follower.update(update_info.step)
         except DeltaError as err:  # the same error on every worker: the group agreed on it
-            if self.follower.held_step is None:  # written in part, and the re-sync failed too
+            if isinstance(err, NotCompleteYetError):  # a store that fills out of order: not damage
+                log.info(
+                    "lightning_delta: step %s not applied yet, the engine keeps step %s: %s",
+                    update_info.step,
+                    self.applied,
+                    err,
+                )
+            elif self.follower.held_step is None:  # written in part, and the re-sync failed too
                 self.applied, self._unverified = None, True
                 log.error(
                     "lightning_delta: step %s not applied, and the engine holds no step of the chain: the next "
