@@ -29,6 +29,7 @@ from lightning_delta import (
     DeltaPublisher,
     FollowSettings,
     Mirror,
+    MirrorMetrics,
     MirrorSettings,
     PublisherSettings,
     Store,
@@ -931,3 +932,18 @@ def test_the_mirror_command_follows_with_a_progress_line_until_interrupted(tmp_p
                 raise
     assert proc.returncode == 0, err
     assert_loads(dst, truth, [1, 2, 3, 4])
+
+
+def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line_at_every_pass(
+    monkeypatch, tmp_path, capsys
+):
+    def passes(_mirror: Mirror, stop=None) -> Iterator[MirrorMetrics]:
+        at = MirrorMetrics(source_step=5, mirror_step=5, bytes_copied=10)
+        yield from [at] * 3  # caught up and idle: one line
+        for lag in (0.3, 0.9, 1.2, 1.9, 2.5, 4.1, 5.0, 200.0, 230.0, 270.0):  # a stall: step 6 not mirrored
+            yield dataclasses.replace(at, source_step=6, steps_behind=1, lag_seconds=lag)
+
+    monkeypatch.setattr(Mirror, "follow", passes)
+    assert main(["mirror", str(tmp_path / "src"), str(tmp_path / "dst"), "--follow"]) == 0
+    lags = [line.rsplit("lag ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lags == ["0.0 s", "0.3 s", "1.9 s", "4.1 s", "200.0 s", "270.0 s"]  # doubled, or a minute more
