@@ -856,21 +856,6 @@ def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and
     assert_loads(Store(mirror), truth, list(range(1, 8)))
 
 
-def test_a_listing_that_shows_a_delta_before_the_step_it_applies_to_holds_the_mirror_there():
-    source, mirror = DictObjects(), DictObjects("dict://m")
-    truth = publish(source, 7)  # bases at 1 and 5
-    held = {k: v for k, v in source.objects.items() if k.startswith(fmt.step_dir(3))}
-    for key in held:  # a replicated bucket that has received nothing of step 3 yet, and all of 4
-        del source.objects[key]
-    with Mirror(Store(source), Store(mirror)) as m:
-        metrics = m.sync()
-        assert metrics.mirror_step == 2 and metrics.stopped_at == f"dict://chain/{fmt.commit_path(4, 0, 1)}"
-        assert_loads(Store(mirror), truth, [1, 2])  # not 4, which would not load
-        source.objects |= held
-        assert m.sync().mirror_step == 7
-    assert_loads(Store(mirror), truth, list(range(1, 8)))
-
-
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():
     home, region, zone = DictObjects("dict://home"), DictObjects("dict://region"), DictObjects("dict://zone")
     truth = publish(home, 9, base_every=3)

@@ -175,7 +175,6 @@ class _Ready(NamedTuple):
     part: _Part
     marker: bytes
     kind: fmt.Kind
-    prev: int | None  # the step a delta applies to
     there: bool  # the marker is at the mirror already
 
 
@@ -531,7 +530,7 @@ class Mirror:
         for step in pending:
             outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
-            stop = next((o for o in outcomes if isinstance(o, _Stop)), None) or self._unlinked(ready)
+            stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
             if stopped is not None:
                 if not (stopped.damaged and stop is None and step in complete and _base(ready, world)):
                     continue
@@ -559,15 +558,6 @@ class Mirror:
                         self.metrics.mirrored_at = time.time()
                 mirrored_base = mirrored_base or _base(ready, world)
         return stopped, mirrored_base
-
-    def _unlinked(self, ready: list[_Ready]) -> _Stop | None:
-        """A stop at a delta whose previous step the mirror does not hold: listed, a source that fills
-        out of order (a replicated bucket) can show a step before the one it applies to, and copied, it
-        would be a step listed at the mirror that does not load.  The mirror waits for that step."""
-        for r in ready:
-            if not r.part.bridge and r.kind == fmt.Kind.DELTA and r.prev not in self._done:
-                return _Stop(r.part.marker_key, f"is a delta against step {r.prev}, not mirrored yet", damaged=False)
-        return None
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
         """`outcome`, or None for a damaged bridge: it is optional (its base's parts load without it,
@@ -614,7 +604,7 @@ class Mirror:
         if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
             if not there:
                 self._same(part.marker_key, data)
-            return _Ready(part, data, marker.kind, marker.prev_step, there=True)
+            return _Ready(part, data, marker.kind, there=True)
         if not checked:
             if blob_name in at_mirror:
                 self._check_copy(part.blob_key, marker)
@@ -629,7 +619,7 @@ class Mirror:
                 self._write(part.blob_key, blob, marker=marker)
             with self._lock:
                 self._checked.add(part.blob_key)
-        return _Ready(part, data, marker.kind, marker.prev_step, there=False)
+        return _Ready(part, data, marker.kind, there=False)
 
     # ------------------------------------------------------------------ objects
 
