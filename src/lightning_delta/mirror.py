@@ -28,8 +28,7 @@ where it stopped; an object already at the mirror must be identical.  Each sourc
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
 does not need it (restarted, it never goes back below the newest base it holds); a damaged bridge
-is left out, and its base copied without it.  A delta is copied only after the step it applies to
-(a source filling out of order may list it first).
+is left out, and its base copied without it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
