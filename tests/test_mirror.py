@@ -29,6 +29,7 @@ from lightning_delta import (
     DeltaPublisher,
     FollowSettings,
     Mirror,
+    MirrorMetrics,
     MirrorSettings,
     PublisherSettings,
     Store,
@@ -127,12 +128,16 @@ def test_a_mirror_writes_in_commit_order_and_every_step_is_complete_only_once_al
 
 def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twice(tmp_path):
     src, dst, log = str(tmp_path / "src"), str(tmp_path / "dst"), tmp_path / "twice.log"
-    truth = published_run(src, 12, base_every=4)
+    truth = published_run(src, 12, base_every=4)  # bases at 1, 5 and 9
+    damaged = Path(src, fmt.blob_path(3, 0, 1))  # passed over from base 5, before and after each restart
+    damaged.write_bytes(damaged.read_bytes()[:-1])
     objects = sum(len(files) for _, _, files in os.walk(src))
     rng = random.Random(40)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     kills = 0
-    for kill_at in [*sorted(rng.sample(range(1, objects + 1), 4)), 0]:
+    # the first run killed after base 5's marker (26 writes in all, 8 markers after it) and before
+    # step 12's: its restart must not stop again at step 3, with the base after it already there
+    for kill_at in [objects - 10, *sorted(rng.sample(range(1, objects + 1), 3)), 0]:
         job = [sys.executable, str(ROOT / "tests" / "mirror_job.py"), src, dst, str(kill_at), str(log)]
         done = subprocess.run(job, env=env, capture_output=True, text=True, timeout=300)
         if kill_at:  # killed before its kill_at-th write of this run (it may have less to write)
@@ -142,7 +147,7 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
             assert done.returncode == 0, done.stderr
         assert_loads(dst, truth)  # whatever it had done, every step listed loads
     assert kills >= 1
-    assert_loads(dst, truth, list(range(1, 13)))
+    assert_loads(dst, truth, [1, 2, *range(5, 13)])
     assert not log.exists(), log.read_text()  # no object was written twice
 
 
@@ -745,6 +750,112 @@ def test_a_damaged_source_object_is_passed_over_once_a_newer_base_does_not_need_
     assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])  # 3 and 4 chain through the damage
 
 
+def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_over():
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    with DeltaPublisher(Store(source), model, PublisherSettings(base_every=4)) as publisher:
+        truth = train(publisher, model, 7)  # bases at 1 and 5
+        publisher.flush()
+        key = fmt.blob_path(3, 0, 1)
+        source.objects[key] = source.objects[key][:-1]  # truncated: passed over from base 5
+        with Mirror(Store(source), Store(mirror)) as m:
+            assert m.sync().mirror_step == 7
+        truth[8] = train(None, model, 1, seed=8)[1]
+        publisher.publish(8)
+    with Mirror(Store(source), Store(mirror)) as m:  # restarted: a new process knows nothing of the skip
+        metrics = m.sync()
+    assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_behind == 0
+    assert key not in mirror.objects
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7, 8])
+
+
+@pytest.mark.parametrize("damaged", ["blob", "marker"])
+def test_a_damaged_bridge_is_never_copied_and_its_base_is_mirrored_without_it(caplog, damaged):
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    truth = publish(source, 5, base_every=3)  # bases at 1 and 4, a bridge at 4
+    key = fmt.blob_path(4, 0, 1, bridge=True) + (".commit" if damaged == "marker" else "")
+    source.objects[key] = source.objects[key][:-1]
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    with Mirror(Store(source), Store(mirror)) as m:
+        metrics = m.sync()
+        assert metrics.mirror_step == 5 and metrics.stopped_at is None
+        assert m.sync().mirror_step == 5
+    assert not any("bridge" in k for k in mirror.objects)  # neither its blob nor its marker
+    assert len([r for r in caplog.records if key in r.getMessage()]) == 1  # said once
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5])  # step 4 from its base
+    assert [r.bridge for r in Store(mirror).part_refs(4, 0, 1)] == [False]  # a follower at 3 reads the base
+
+
+def test_a_blob_at_the_mirror_that_is_not_the_sources_is_refused_and_its_marker_not_written():
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    publish(source, 3)
+    key = fmt.blob_path(2, 0, 1)
+    mirror.objects[fmt.RUN_MANIFEST] = source.objects[fmt.RUN_MANIFEST]
+    mirror.objects[key] = source.objects[key][:-1]  # a damaged copy, left by something else
+    with Mirror(Store(source), Store(mirror)) as m, pytest.raises(ConflictError, match="not the source's object"):
+        m.sync()
+    assert fmt.commit_path(2, 0, 1) not in mirror.objects and DeltaLoader(Store(mirror)).steps() == [1]
+
+
+def test_a_marker_at_the_mirror_that_is_not_the_sources_is_refused():
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    publish(source, 5)  # bases at 1 and 5, a bridge at 5 (its marker does not make the step complete)
+    key = fmt.commit_path(5, 0, 1, bridge=True)
+    mirror.objects[fmt.RUN_MANIFEST] = source.objects[fmt.RUN_MANIFEST]
+    mirror.objects[key] = other = source.objects[key][:-1] + b" "
+    with Mirror(Store(source), Store(mirror)) as m, pytest.raises(ConflictError, match="differs from the source's"):
+        m.sync()
+    assert mirror.objects[key] == other and fmt.commit_path(5, 0, 1) not in mirror.objects
+
+
+def test_a_mirror_following_retention_never_deletes_past_its_own_newest_base():
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3, keep_bases=2)) as publisher,
+        Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m,  # lists at every pass
+    ):
+        truth = train(publisher, model, 5)  # bases at 1 and 4
+        publisher.flush()
+        assert m.sync().mirror_step == 5
+        for step in range(6, 12):  # bases at 7 and 10: the source deletes 1 to 6
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        assert Store(shared).published_steps() == [7, 8, 9, 10, 11]
+        watched.hidden.add(fmt.blob_path(7, 0, 1))  # not there yet: the mirror's newest base is still 4
+        assert m.sync().mirror_step == 5
+        assert assert_loads(Store(mirror), truth) == [4, 5]  # 1 to 3 deleted, not the base its readers need
+        watched.hidden.clear()
+        assert m.sync().mirror_step == 11
+    assert assert_loads(Store(mirror), truth) == [7, 8, 9, 10, 11]
+
+
+def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and_a_growing_lag(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    truth = publish(shared, 7)  # bases at 1 and 5
+    late = fmt.blob_path(3, 0, 1)
+    watched.hidden.add(late)  # not damage: a replicated bucket that has not received it yet
+    with Mirror(Store(watched), Store(mirror)) as m:
+        lags = []
+        for clock[0] in (0.0, 10.0, 25.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 2 and metrics.stopped_at == f"dict://home/{late}"  # not passed over
+            assert metrics.steps_behind == 5 and metrics.source_step == 7
+            lags.append(metrics.lag_seconds)
+        assert lags == [0.0, 10.0, 25.0]  # since step 3 was first seen complete at the source
+        watched.hidden.clear()
+        metrics = m.sync()
+    assert metrics.mirror_step == 7 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
+    assert_loads(Store(mirror), truth, list(range(1, 8)))
+
+
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():
     home, region, zone = DictObjects("dict://home"), DictObjects("dict://region"), DictObjects("dict://zone")
     truth = publish(home, 9, base_every=3)
@@ -823,3 +934,18 @@ def test_the_mirror_command_follows_with_a_progress_line_until_interrupted(tmp_p
                 raise
     assert proc.returncode == 0, err
     assert_loads(dst, truth, [1, 2, 3, 4])
+
+
+def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line_at_every_pass(
+    monkeypatch, tmp_path, capsys
+):
+    def passes(_mirror: Mirror, stop=None) -> Iterator[MirrorMetrics]:
+        at = MirrorMetrics(source_step=5, mirror_step=5, bytes_copied=10)
+        yield from [at] * 3  # caught up and idle: one line
+        for lag in (0.3, 0.9, 1.2, 1.9, 2.5, 4.1, 5.0, 200.0, 230.0, 270.0):  # a stall: step 6 not mirrored
+            yield dataclasses.replace(at, source_step=6, steps_behind=1, lag_seconds=lag)
+
+    monkeypatch.setattr(Mirror, "follow", passes)
+    assert main(["mirror", str(tmp_path / "src"), str(tmp_path / "dst"), "--follow"]) == 0
+    lags = [line.rsplit("lag ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lags == ["0.0 s", "0.3 s", "1.9 s", "4.1 s", "200.0 s", "270.0 s"]  # doubled, or a minute more

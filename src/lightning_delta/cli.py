@@ -276,16 +276,25 @@ def _mirror(args: argparse.Namespace) -> int:
                 return _emit(asdict(metrics))
             print(metrics.line())
             return 0
-        shown = None
+        shown, shown_lag = None, 0.0
         try:
-            for metrics in mirror.follow():  # a line whenever the mirror moved, until interrupted
+            # a line whenever the mirror moved, or a stalled one's lag grew (`_lag_grew`), until interrupted
+            for metrics in mirror.follow():
                 state = (metrics.source_step, metrics.mirror_step, metrics.bytes_copied, metrics.stopped_at)
-                if state != shown:
-                    shown = state
+                if state != shown or _lag_grew(shown_lag, metrics.lag_seconds):
+                    shown, shown_lag = state, metrics.lag_seconds
                     print(json.dumps(asdict(metrics)) if args.json else metrics.line(), flush=True)
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _lag_grew(shown: float, lag: float) -> bool:
+    """Whether a mirror's lag grew enough since the line that showed `shown` to be shown again: a
+    stalled mirror's lag grows at every pass while nothing else changes.  It doubled (and by a second
+    at least), or grew by a minute: lines at a lag of 1, 2, 4, ... 32, 64, 124, 184 s, not at every
+    poll; none while the mirror is caught up (a lag of 0)."""
+    return lag >= shown + min(max(shown, 1.0), 60.0)
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ created exclusively and only missing ones are written, so a mirror killed at any
 where it stopped; an object already at the mirror must be identical.  Each source object is read
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
-does not need it.
+does not need it (restarted, it never goes back below the newest base it holds); a damaged bridge
+is left out, and its base copied without it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -434,6 +435,11 @@ class Mirror:
             elif (found := self._read(key, fmt.MAX_MANIFEST_BYTES)) is not None:
                 self._write(key, found)
         self._run, self._world = run, run.world_size
+        # Under commit order a step older than the mirror's newest complete base is one this mirror
+        # passed over on purpose before a restart (damage that base does not need) or no longer needs
+        # (retention): copied again, a damaged one would stop the mirror, whose base after it is there
+        # already and cannot clear the stop, and every delta after it would wait for the next base.
+        self._skip_below = cutoff(self.destination, 1) or 0
         return self._world
 
     def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
@@ -521,7 +527,7 @@ class Mirror:
         stopped: _Stop | None = None
         mirrored_base = False
         for step in pending:
-            outcomes = [f.result() for f in futures[step]]
+            outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
             stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
             if stopped is not None:
@@ -551,6 +557,25 @@ class Mirror:
                         self.metrics.mirrored_at = time.time()
                 mirrored_base = mirrored_base or _base(ready, world)
         return stopped, mirrored_base
+
+    def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
+        """`outcome`, or None for a damaged bridge: it is optional (its base's parts load without it,
+        and a follower without a bridge marker reads the base), so its step is copied without it,
+        neither its blob nor its marker, and the mirror goes on (said once)."""
+        if not (part.bridge and isinstance(outcome, _Stop) and outcome.damaged):
+            return outcome
+        if outcome.key not in self._said:
+            self._said.add(outcome.key)
+            log.warning(
+                "%s: %s/%s is damaged (%s); it is never copied, and step %d is mirrored without its bridge "
+                "(followers there load the base)",
+                self,
+                self.source.url,
+                outcome.key,
+                outcome.reason,
+                part.step,
+            )
+        return None
 
     def _prepare(self, part: _Part, at_mirror: set[str]) -> _Ready | _Stop:
         """Read `part`'s marker, and put its blob at the mirror, checked first (a thread's job)."""
