@@ -228,7 +228,8 @@ def test_a_segment_table_is_checked_at_its_bounds():
 def test_a_walk_says_what_it_wrote_and_undoes_only_that():
     """`wrote` names the parameters the last `apply` wrote into (not `check`'s, not an unheld
     parameter's); `undo` before any `apply` writes nothing; `check` refuses a malformed payload as
-    `apply` does, writing nothing; a payload of another mode is refused."""
+    `apply` does, writing nothing; a table that holds nothing walks with no parameters; a payload of
+    another mode is refused."""
     old = bits(list(range(64)))
     new = old.clone()
     new[[3, 5]] += 1
@@ -251,6 +252,8 @@ def test_a_walk_says_what_it_wrote_and_undoes_only_that():
     with pytest.raises(FormatError, match=f"^{sparse_walk.MESSAGES[sparse_walk.Status.SHORT]}$"):
         sparse_walk.Walk(short, sparse_walk.Segments(table, 64), params).check()
     assert np.array_equal(np.concatenate(params), old.numpy())
+    nothing = sparse_walk.Walk(packed, sparse_walk.Segments(np.empty((0, 12), dtype=np.int64), 64), [])
+    assert nothing.check() == nothing.apply() == 0 and nothing.applied == 2  # decoded, held by no one here
     raw = codec.parse(codec.encode(None, new.view(torch.bfloat16)), 64)
     with pytest.raises(ValueError, match=f"^only SPARSE payloads are walked, not {raw.mode.name}$"):
         sparse_walk.Walk(raw, sparse_walk.Segments(table, 64), params)
