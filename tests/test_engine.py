@@ -542,6 +542,36 @@ def test_a_failure_while_a_base_step_is_planned_is_the_error_raised_and_walks_no
     assert exact(engine, truth[1])
 
 
+def test_a_step_failing_before_a_write_after_a_base_step_written_whole_says_nothing_was_written(
+    store_url, wholes, monkeypatch, caplog
+):
+    """The writer of base steps says whether its last write wrote (`WholeWriter.wrote`), also when
+    that write had nothing to walk whole: base step 1 walked whole, then step 2 (CLASSED: decoded
+    by torch, none of it whole) failing as torch decodes it to write it, before anything is
+    written, logs "not written by this worker" (#39: without `wrote` reset at the start of
+    `write`, step 1's write made it "written only in part")."""
+    truth = publish(store_url, Context.EXPONENT)
+    engine = Engine()
+    live = follower(store_url, engine)
+    live.update(1)
+    assert live.held_step == 1 and wholes[0] == 1
+
+    def no_memory(*args: object) -> None:
+        raise MemoryError("no memory to decode (a stand-in)")
+
+    prepared = live.prepare(2)  # decoded once by torch to be checked
+    with monkeypatch.context() as m:
+        m.setattr(live._torch, "patches", no_memory)
+        caplog.set_level("WARNING", logger="lightning_delta.engine")
+        with pytest.raises(DeltaError, match=r"^MemoryError: no memory to decode \(a stand-in\)$"):
+            live.write(prepared)
+    assert live.held_step is None and exact(engine, truth[1])
+    assert caplog.messages == [
+        f"{live.store.url}: step 2 was not written by this worker (no memory to decode (a stand-in)); "
+        "the engine holds no step of the chain until it is loaded from a base"
+    ]
+
+
 @pytest.mark.parametrize("cores", [1, 3])
 def test_a_base_step_is_walked_whole_exactly_on_any_number_of_cores(store_url, wholes, monkeypatch, cores):
     """Payloads are walked whole side by side, as many at once as the process has cores (one more

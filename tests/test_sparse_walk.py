@@ -165,23 +165,98 @@ def test_a_hostile_payload_is_refused_where_torch_refuses_it_and_leaves_nothing_
 
 
 def test_a_segment_table_that_names_elements_outside_its_parameters_is_refused():
+    """Each refusal says why, in its own words (#39: a message dropped survived)."""
     packed = codec.parse(
         codec.encode(bits([0] * 64).view(torch.bfloat16), bits([1] + [0] * 63).view(torch.bfloat16)), 64
     )
     param = np.zeros(64, dtype=np.int16)
     run = [0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
-    for bad in (
-        [[0, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1]],  # one past the parameter's end
-        [[0, 40, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [30, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]],  # overlapping
-        [[0, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]],  # no parameter 1
-        [[0, 64, 0, 0, 0, 8, 0, 8, 4, 8, 8, 1]],  # columns 4..11 of 8
+    outside = "segment (0, 64) names elements outside parameter 0"
+    names, past = "the segment table names {} elements of its parameters, which hold [64]", "segment ({}, {}) overlaps"
+    past += " another or runs past the payload's 64 positions"
+    for bad, said in (
+        ([[0, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1]], names.format([65])),
+        (
+            [[0, 40, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [30, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]],
+            past.format(30, 64),
+        ),
+        ([[0, 65, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], past.format(0, 65)),
+        ([[0, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]], names.format([0, 64])),
+        ([[0, 64, 0, 0, 0, 8, 0, 8, 4, 8, 8, 1]], outside),  # columns 4..11 of 8
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
             sparse_walk.Walk(packed, sparse_walk.Segments(np.array(bad, dtype=np.int64), 64), [param])
-    with pytest.raises(ValueError):  # a table for payloads of another size
+    for rows in (np.array([run], dtype=np.int32), np.array(run, dtype=np.int64), np.array([run[:-1]], dtype=np.int64)):
+        said = f"a segment table is int64 of 12 columns, got {rows.dtype} {rows.shape}"
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            sparse_walk.Segments(rows, 64)
+    with pytest.raises(ValueError, match=r"^the segment table is for payloads of 65 positions, not 64$"):
         sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 65), [param])
     sparse_walk.Walk(packed, sparse_walk.Segments(np.array([run], dtype=np.int64), 64), [param]).apply()
     assert param[0] == 1 and not param[1:].any()
+
+
+def test_a_segment_table_is_checked_at_its_bounds():
+    """Each check of a segment table at its edge: the last element a segment may name is taken (and
+    counted in `needs`, the elements each parameter must hold), the next one refused."""
+    outside = "segment ({}, {}) names elements outside parameter {}"
+
+    def needs(*rows: list[int]) -> list[int]:
+        return sparse_walk.Segments(np.array(rows, dtype=np.int64).reshape(-1, 12), 64).needs
+
+    def refused(said: str, *rows: list[int]) -> None:
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            needs(*rows)
+
+    assert needs() == []
+    assert needs([0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 3, 0, 0, 0, 0, 0, 0, 0, 0]) == [32, 35]
+    assert needs([10, 20, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]) == [0, 10]
+    # a block: rows 1..2 of an 8-column tensor's columns 5..7, at a stride of 4 from element 2
+    assert needs([8, 24, 0, 2, 8, 8, 1, 2, 5, 3, 4, 1]) == [2 + 4 + 3]
+    assert needs([8, 24, 0, 0, 8, 8, 1, 2, 0, 8, 8, 1]) == [16]  # every column, width = stride
+    assert needs([0, 1, 0, 0, 0, 1, 0, 1, 0, 1, 1, 1]) == [1]
+    assert needs([0, 10, 0, 20, 0, 0, 0, 0, 0, 0, 0, 1], [10, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]) == [30]  # the largest
+    assert needs([8, 24, 0, 0, 8, 8, 1, 0, 0, 8, 8, 1]) == [0]  # a block of no rows names nothing
+    refused(outside.format(5, 5, 0), [5, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1])
+    refused("segment (-1, 5) overlaps another or runs past the payload's 64 positions", [-1, 5, *[0] * 9, 1])
+    refused(outside.format(0, 5, -1), [0, 5, -1, 0, 0, 0, 0, 0, 0, 0, 0, 1])
+    refused(outside.format(0, 5, 0), [0, 5, 0, -1, 0, 0, 0, 0, 0, 0, 0, 1])
+    for first, column, width, stride in ((-1, 0, 8, 8), (0, -1, 8, 8), (0, 1, 8, 8), (0, 0, 0, 8), (0, 0, 8, 7)):
+        refused(outside.format(8, 24, 0), [8, 24, 0, 0, first, 8, 1, 2, column, width, stride, 1])
+
+
+def test_a_walk_says_what_it_wrote_and_undoes_only_that():
+    """`wrote` names the parameters the last `apply` wrote into (not `check`'s, not an unheld
+    parameter's); `undo` before any `apply` writes nothing; `check` refuses a malformed payload as
+    `apply` does, writing nothing; a table that holds nothing walks with no parameters; a payload of
+    another mode is refused."""
+    old = bits(list(range(64)))
+    new = old.clone()
+    new[[3, 5]] += 1
+    packed = codec.parse(codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16)), 64)
+    assert packed.mode == Mode.SPARSE
+    table = np.array([[0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], [32, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64)
+    params = [old[:32].numpy().copy(), old[32:].numpy().copy()]
+    walk = sparse_walk.Walk(packed, sparse_walk.Segments(table, 64), params)
+    walk.undo()
+    assert walk.applied == 0 and np.array_equal(np.concatenate(params), old.numpy())
+    walk.check()
+    assert not walk.wrote(0) and not walk.wrote(1)
+    walk.apply()
+    assert walk.applied == 2 and walk.wrote(0) and not walk.wrote(1)
+    assert np.array_equal(np.concatenate(params), new.numpy())
+    walk.undo()
+    assert walk.applied == 0 and np.array_equal(np.concatenate(params), old.numpy())
+    high = tuple(torch.zeros_like(s) if i == 1 else s for i, s in enumerate(packed.sections))  # no high bits
+    short = codec.Packed(packed.mode, packed.values, packed.low_bits, packed.dtype, 64, packed.m, packed.k, high)
+    with pytest.raises(FormatError, match=f"^{sparse_walk.MESSAGES[sparse_walk.Status.SHORT]}$"):
+        sparse_walk.Walk(short, sparse_walk.Segments(table, 64), params).check()
+    assert np.array_equal(np.concatenate(params), old.numpy())
+    nothing = sparse_walk.Walk(packed, sparse_walk.Segments(np.empty((0, 12), dtype=np.int64), 64), [])
+    assert nothing.check() == nothing.apply() == 0 and nothing.applied == 2  # decoded, held by no one here
+    raw = codec.parse(codec.encode(None, new.view(torch.bfloat16)), 64)
+    with pytest.raises(ValueError, match=f"^only SPARSE payloads are walked, not {raw.mode.name}$"):
+        sparse_walk.Walk(raw, sparse_walk.Segments(table, 64), params)
 
 
 def test_compile_compiles_the_kernel_the_walks_call():
