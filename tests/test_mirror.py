@@ -763,11 +763,84 @@ def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_ov
             assert m.sync().mirror_step == 7
         truth[8] = train(None, model, 1, seed=8)[1]
         publisher.publish(8)
-    with Mirror(Store(source), Store(mirror)) as m:  # restarted: a new process knows nothing of the skip
-        metrics = m.sync()
+    watched = Recording("dict://chain", source.objects)
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:  # restarted: a new
+        metrics = m.sync()  # process knows nothing of the skip; every pass a listing
+        assert m.sync().mirror_step == 8
     assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_behind == 0
     assert key not in mirror.objects
+    assert watched.reads[key] == 1  # found damaged once, then passed over for good, not at every listing
     assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7, 8])
+
+
+def test_a_restarted_mirror_copies_a_step_that_came_late_below_its_newest_base():
+    """A step's marker that reaches the source after the mirror copied a newer base (a replicated
+    bucket, a slow rank): a running mirror copies it at its next listing, and so must a restarted
+    one, or the deltas that chain through it stay listed at the mirror and never load."""
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    truth = publish(source, 8, base_every=6)  # bases at 1 and 7; 5 and 6 chain through 4
+    key = fmt.commit_path(4, 0, 1)
+    marker = source.objects.pop(key)
+    with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        assert m.sync().mirror_step == 8
+    source.objects[key] = marker
+    with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        metrics = m.sync()
+    assert metrics.stopped_at is None and metrics.steps_behind == 0
+    assert_loads(Store(mirror), truth, list(range(1, 9)))
+
+
+def test_a_damaged_marker_at_the_mirror_does_not_stop_a_restart():
+    """The newest base a restarted mirror reads back (`cutoff`) may meet damage at the mirror: it
+    is said, and the mirror goes on copying the source's new steps."""
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    model = TinyLM()
+    with DeltaPublisher(Store(source), model, PublisherSettings(base_every=4)) as publisher:
+        truth = train(publisher, model, 7)  # bases at 1 and 5
+        publisher.flush()
+        with Mirror(Store(source), Store(mirror)) as m:
+            assert m.sync().mirror_step == 7
+        key = fmt.commit_path(7, 0, 1)
+        mirror.objects[key] = mirror.objects[key][:-1]
+        truth[8] = train(None, model, 1, seed=8)[1]
+        publisher.publish(8)
+    with Mirror(Store(source), Store(mirror)) as m:
+        assert m.sync().mirror_step == 8
+    for key in (fmt.blob_path(8, 0, 1), fmt.commit_path(8, 0, 1)):
+        assert mirror.objects[key] == source.objects[key]
+    for step in range(1, 7):  # the steps before the damage load
+        assert_state(DeltaLoader(Store(mirror)).state_dict(step)[1], truth[step])
+
+
+def test_a_late_bridge_holds_its_base_and_is_copied_once_it_comes():
+    """Only a damaged bridge is left out: one not at a replicated source yet holds its base."""
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    truth = publish(shared, 5, base_every=3)  # bases at 1 and 4, a bridge at 4
+    late = fmt.blob_path(4, 0, 1, bridge=True)
+    watched.hidden.add(late)
+    with Mirror(Store(watched), Store(mirror)) as m:
+        metrics = m.sync()
+        assert metrics.mirror_step == 3 and metrics.stopped_at == f"dict://home/{late}"
+        watched.hidden.clear()
+        assert m.sync().mirror_step == 5
+    assert late in mirror.objects and fmt.commit_path(4, 0, 1, bridge=True) in mirror.objects
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5])
+
+
+def test_a_damaged_bridge_is_said_once_while_its_base_waits(caplog):
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    publish(shared, 5, base_every=3)
+    key = fmt.blob_path(4, 0, 1, bridge=True)
+    shared.objects[key] = shared.objects[key][:-1]
+    watched.hidden.add(fmt.blob_path(4, 0, 1))  # the base itself late: step 4 prepared at every pass
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    with Mirror(Store(watched), Store(mirror)) as m:
+        assert m.sync().mirror_step == 3 and m.sync().mirror_step == 3
+        watched.hidden.clear()
+        assert m.sync().mirror_step == 5
+    assert len([r for r in caplog.records if key in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("damaged", ["blob", "marker"])

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from . import format as fmt
 from .cadence import Cadence
-from .errors import ChecksumError, ConflictError, FormatError, SignatureError, StoreError
+from .errors import ChecksumError, ConflictError, DeltaError, FormatError, SignatureError, StoreError
 from .retention import cutoff, delete_steps
 from .signing import Trust
 from .store import Store, as_store
@@ -219,6 +219,7 @@ class Mirror:
         self._done: set[int] = set()  # steps complete at the mirror
         self._seen: dict[int, float] = {}  # steps not yet mirrored -> when first seen at the source
         self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
+        self._below = 0  # the mirror's newest complete base when it started: it needs nothing older
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
@@ -435,11 +436,15 @@ class Mirror:
             elif (found := self._read(key, fmt.MAX_MANIFEST_BYTES)) is not None:
                 self._write(key, found)
         self._run, self._world = run, run.world_size
-        # Under commit order a step older than the mirror's newest complete base is one this mirror
-        # passed over on purpose before a restart (damage that base does not need) or no longer needs
-        # (retention): copied again, a damaged one would stop the mirror, whose base after it is there
-        # already and cannot clear the stop, and every delta after it would wait for the next base.
-        self._skip_below = cutoff(self.destination, 1) or 0
+        # A step older than the mirror's newest complete base may be one it passed over before a
+        # restart (damage that base does not need), or one that came late at the source (a replicated
+        # bucket, a slow rank): it is still listed and copied when complete, but a stop there no longer
+        # holds back the steps from that base on (`_copy`), which the mirror serves already.
+        try:
+            self._below = cutoff(self.destination, 1) or 0
+        except DeltaError as err:  # damage at the mirror: said, and the mirror goes on as without a base
+            log.warning("%s: its newest base could not be read (%s): a stop below it holds what follows", self, err)
+            self._below = 0
         return self._world
 
     def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
@@ -525,11 +530,19 @@ class Mirror:
         at_mirror = {s: set(self.destination.objects.list(fmt.step_dir(s))) for s in pending}
         futures = {s: [self._pool.submit(self._prepare, p, at_mirror[s]) for p in names[s]] for s in pending}
         stopped: _Stop | None = None
+        stopped_step = 0
         mirrored_base = False
         for step in pending:
             outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
             stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
+            if stopped is not None and stopped_step < self._below <= step:  # the mirror's base needs nothing below it
+                if stopped.damaged:  # passed over for good, as a running mirror does at a newer base
+                    self._skip_below = self._below
+                    log.warning(
+                        "%s: mirroring on from its base %d, which does not need %s", self, self._below, stopped.key
+                    )
+                stopped = None
             if stopped is not None:
                 if not (stopped.damaged and stop is None and step in complete and _base(ready, world)):
                     continue
@@ -537,7 +550,7 @@ class Mirror:
                 log.warning("%s: mirroring again from base step %d, which does not need %s", self, step, stopped.key)
                 stopped = None
             if stop is not None:
-                stopped = stop
+                stopped, stopped_step = stop, step
                 self._say(stop)
                 continue
             for bridge in (True, False):  # a base's bridges before the parts that make the step complete
