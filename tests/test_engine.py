@@ -1123,3 +1123,24 @@ def test_an_object_missing_counts_towards_missing_after_only_since_the_engine_la
     with pytest.raises(NotCompleteYetError):
         live.update(6)
     assert live.held_step == 5 and exact(engine, truth[5])
+
+
+def test_a_write_that_fails_in_part_then_a_base_not_there_yet_is_not_reported_as_not_complete_yet(
+    chain_objects, monkeypatch
+):
+    """3 -> 4 -> 5 through 5's bridge, written in part, then the re-sync from 5's base, whose blob
+    is not there yet: the engine holds no step, so the error must not be `NotCompleteYetError`
+    (which promises nothing written and the step held kept: the vLLM backend would report step 3)."""
+    objects, _ = chain_objects
+    lost = fmt.blob_path(5, 0, 1)
+    engine = Engine()
+    live = follower(Store(all_but(objects, lost)), engine)
+    live.update(3)
+
+    def fails(*args: object) -> bool:
+        raise RuntimeError("the write failed in part")
+
+    monkeypatch.setattr(live._whole, "write", fails)
+    with pytest.raises(MissingObjectError, match=lost) as raised:
+        live.update(5)
+    assert live.held_step is None and not isinstance(raised.value, NotCompleteYetError)

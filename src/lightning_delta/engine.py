@@ -210,14 +210,16 @@ class EngineFollower:
         steps a late follower walks in turn, the first; `write` checks each as it walks it in)."""
         return self._prepare_step(step, verify=True)
 
-    def _prepare_step(self, step: int, verify: bool) -> EngineStep:
-        """`prepare`; without `verify`, the payloads `write` walks are left for it to check."""
+    def _prepare_step(self, step: int, verify: bool, resync: bool = False) -> EngineStep:
+        """`prepare`; without `verify`, the payloads `write` walks are left for it to check.  With
+        `resync` (the engine's weights were written in part, or changed behind its back, since the
+        step it held), a missing object is damage: `NotCompleteYetError` promises nothing written."""
         started, read_before = time.perf_counter(), self.store.bytes_read
         held, generation = self._held, self._generation
         try:
             states, chains, walked, whole, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
-            if isinstance(err, MissingObjectError) and not self._lost(err):
+            if isinstance(err, MissingObjectError) and not resync and not self._lost(err):
                 log.debug("step %d is not complete yet, the engine keeps step %s: %s", step, self.held_step, err)
                 raise NotCompleteYetError(f"step {step} is not complete yet: {err}", err.key) from err
             if isinstance(err, StoreError) or (held is None and not isinstance(err, HeldDiffers)):
@@ -366,7 +368,7 @@ class EngineFollower:
             if self._held is not None or prepared.held is None:
                 raise  # nothing written, or a failed write from a base, which would fail the same way again
             log.warning("%s; re-syncing step %d from its base", err, prepared.step)
-        prepared = self._prepare_step(prepared.step, verify=False)  # no step held: the write checks it
+        prepared = self._prepare_step(prepared.step, False, resync=True)  # no step held: the write checks it
         return prepared, False, self.write(prepared)
 
     def _weights(self) -> Mapping[str, Tensor]:
