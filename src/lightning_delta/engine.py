@@ -488,15 +488,16 @@ class EngineFollower:
         self, after: int | None, verify: bool, stop: threading.Event | None = None
     ) -> EngineStep | int:
         """The newest complete step listed after `after` (group rank 0's listing), prepared: a step
-        not complete yet is passed over for the next older one; `_NONE` if none is listed, `_STOP`
-        once `stop` is set on any worker.  Where every newer step listed is not complete yet, the
-        newest one's `NotCompleteYetError`."""
-        waiting: set[int] = set()
+        not complete yet is passed over for the steps older than the one whose object is missing
+        (the newer ones chain through it: trying each would read their blobs again, k^2/2 for k
+        steps); `_NONE` if none is listed, `_STOP` once `stop` is set on any worker.  Where every
+        newer step listed is not complete yet, the newest one's `NotCompleteYetError`."""
+        below: int | None = None  # only steps older than this one are tried
         incomplete: NotCompleteYetError | None = None
         while True:
             choice: int | Exception
             try:  # a store error here must reach the decision, or the others wait in it
-                steps = [s for s in self._reader.steps(after=after) if s not in waiting]
+                steps = [s for s in self._reader.steps(after=after) if below is None or s < below]
                 choice = _STOP if stop is not None and stop.is_set() else (steps[-1] if steps else _NONE)
             except Exception as err:
                 choice = err
@@ -511,7 +512,8 @@ class EngineFollower:
                 return self._prepare_step(decided[0], verify)
             except NotCompleteYetError as err:
                 incomplete = incomplete or err
-                waiting.add(decided[0])
+                missing = fmt.parse_step_key(err.key)  # None where the key is another worker's message
+                below = decided[0] if missing is None else min(missing, decided[0])
 
     def _stop_prefetch(self) -> None:
         """Stop the prefetcher, keeping the step it made ready for `take` (`Prefetcher.stop`)."""
