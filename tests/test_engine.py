@@ -1165,3 +1165,24 @@ def test_a_hole_in_the_chain_costs_each_poll_the_newer_steps_blobs_once(chain_ob
         with pytest.raises(NotCompleteYetError, match=fmt.blob_path(6, 0, 1)):
             live.update(None)
         assert hidden.bytes_read - before == markers + blobs  # 1,936 bytes
+
+
+def test_rewriting_the_step_held_does_not_restart_the_missing_clock(chain_objects):
+    """A caller alternating `update(held)` and `update(6)` is stuck on step 5: past `missing_after`,
+    step 6's missing blob is damage (tried from its base, `MissingObjectError`)."""
+    objects, truth = chain_objects
+    lost = fmt.blob_path(6, 0, 1)
+    engine = Engine()
+    live = follower(Store(all_but(objects, lost)), engine)
+    live.update(5)
+    now = [0.0]
+    live.missing.clock = lambda: now[0]
+    for _ in range(2):
+        with pytest.raises(NotCompleteYetError):
+            live.update(6)
+        now[0] += 0.75 * live.missing.missing_after
+        live.update(5)
+    with pytest.raises(MissingObjectError, match=lost) as raised:
+        live.update(6)
+    assert not isinstance(raised.value, NotCompleteYetError)
+    assert live.held_step == 5 and exact(engine, truth[5])

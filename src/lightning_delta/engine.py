@@ -168,7 +168,8 @@ class EngineFollower:
         """The background preparation of the next step (`prefetch`)."""
         self.stop_seconds = stop_seconds
         self.missing = MissingClock(missing_after)
-        """When each object a listed step needs was first found missing (restarted at each write)."""
+        """When each object a listed step needs was first found missing (restarted at each write of
+        another step than the one held)."""
 
     # ------------------------------------------------------------------ facts
 
@@ -287,7 +288,7 @@ class EngineFollower:
         self._stop_prefetch()  # its collectives and these must not interleave
         if prepared.generation != self._generation:
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
-        started = time.perf_counter()
+        started, before = time.perf_counter(), self.held_step
         if check and prepared.held is not None:
             self._check_changes(prepared)
         params = self._weights()
@@ -329,7 +330,8 @@ class EngineFollower:
                 raise
             raise DeltaError(f"{type(err).__name__}: {err}") from err
         self._held, self._generation = prepared.states, self._generation + 1
-        self.missing.restart()
+        if prepared.step != before:  # a follower that rewrites the step it held is still stuck on it
+            self.missing.restart()
         return time.perf_counter() - started
 
     def _check_changes(self, prepared: EngineStep) -> None:
