@@ -1023,7 +1023,7 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_an_engine_on_a_store_that_fills_out_of_order_holds_only_exact_steps(chain_objects, data, caplog):
     """Markers before their blobs, steps before the steps they chain to, revealed a batch at each
