@@ -168,7 +168,8 @@ class EngineFollower:
         """The background preparation of the next step (`prefetch`)."""
         self.stop_seconds = stop_seconds
         self.missing = MissingClock(missing_after)
-        """When each object a listed step needs was first found missing (restarted at each write)."""
+        """When each object a listed step needs was first found missing (restarted at each write of
+        another step than the one held)."""
 
     # ------------------------------------------------------------------ facts
 
@@ -210,14 +211,16 @@ class EngineFollower:
         steps a late follower walks in turn, the first; `write` checks each as it walks it in)."""
         return self._prepare_step(step, verify=True)
 
-    def _prepare_step(self, step: int, verify: bool) -> EngineStep:
-        """`prepare`; without `verify`, the payloads `write` walks are left for it to check."""
+    def _prepare_step(self, step: int, verify: bool, resync: bool = False) -> EngineStep:
+        """`prepare`; without `verify`, the payloads `write` walks are left for it to check.  With
+        `resync` (the engine's weights were written in part, or changed behind its back, since the
+        step it held), a missing object is damage: `NotCompleteYetError` promises nothing written."""
         started, read_before = time.perf_counter(), self.store.bytes_read
         held, generation = self._held, self._generation
         try:
             states, chains, walked, whole, changed, fetched, share = self._prepare(step, held, verify)
         except DeltaError as err:
-            if isinstance(err, MissingObjectError) and not self._lost(err):
+            if isinstance(err, MissingObjectError) and not resync and not self._lost(err):
                 log.debug("step %d is not complete yet, the engine keeps step %s: %s", step, self.held_step, err)
                 raise NotCompleteYetError(f"step {step} is not complete yet: {err}", err.key) from err
             if isinstance(err, StoreError) or (held is None and not isinstance(err, HeldDiffers)):
@@ -285,7 +288,7 @@ class EngineFollower:
         self._stop_prefetch()  # its collectives and these must not interleave
         if prepared.generation != self._generation:
             raise SnapshotNotFoundError(f"step {prepared.step} was decoded against a state no longer held")
-        started = time.perf_counter()
+        started, before = time.perf_counter(), self.held_step
         if check and prepared.held is not None:
             self._check_changes(prepared)
         params = self._weights()
@@ -327,7 +330,8 @@ class EngineFollower:
                 raise
             raise DeltaError(f"{type(err).__name__}: {err}") from err
         self._held, self._generation = prepared.states, self._generation + 1
-        self.missing.restart()
+        if prepared.step != before:  # a follower that rewrites the step it held is still stuck on it
+            self.missing.restart()
         return time.perf_counter() - started
 
     def _check_changes(self, prepared: EngineStep) -> None:
@@ -366,7 +370,7 @@ class EngineFollower:
             if self._held is not None or prepared.held is None:
                 raise  # nothing written, or a failed write from a base, which would fail the same way again
             log.warning("%s; re-syncing step %d from its base", err, prepared.step)
-        prepared = self._prepare_step(prepared.step, verify=False)  # no step held: the write checks it
+        prepared = self._prepare_step(prepared.step, False, resync=True)  # no step held: the write checks it
         return prepared, False, self.write(prepared)
 
     def _weights(self) -> Mapping[str, Tensor]:
@@ -486,15 +490,16 @@ class EngineFollower:
         self, after: int | None, verify: bool, stop: threading.Event | None = None
     ) -> EngineStep | int:
         """The newest complete step listed after `after` (group rank 0's listing), prepared: a step
-        not complete yet is passed over for the next older one; `_NONE` if none is listed, `_STOP`
-        once `stop` is set on any worker.  Where every newer step listed is not complete yet, the
-        newest one's `NotCompleteYetError`."""
-        waiting: set[int] = set()
+        not complete yet is passed over for the steps older than the one whose object is missing
+        (the newer ones chain through it: trying each would read their blobs again, k^2/2 for k
+        steps); `_NONE` if none is listed, `_STOP` once `stop` is set on any worker.  Where every
+        newer step listed is not complete yet, the newest one's `NotCompleteYetError`."""
+        below: int | None = None  # only steps older than this one are tried
         incomplete: NotCompleteYetError | None = None
         while True:
             choice: int | Exception
             try:  # a store error here must reach the decision, or the others wait in it
-                steps = [s for s in self._reader.steps(after=after) if s not in waiting]
+                steps = [s for s in self._reader.steps(after=after) if below is None or s < below]
                 choice = _STOP if stop is not None and stop.is_set() else (steps[-1] if steps else _NONE)
             except Exception as err:
                 choice = err
@@ -509,7 +514,8 @@ class EngineFollower:
                 return self._prepare_step(decided[0], verify)
             except NotCompleteYetError as err:
                 incomplete = incomplete or err
-                waiting.add(decided[0])
+                missing = fmt.parse_step_key(err.key)  # None where the key is another worker's message
+                below = decided[0] if missing is None else min(missing, decided[0])
 
     def _stop_prefetch(self) -> None:
         """Stop the prefetcher, keeping the step it made ready for `take` (`Prefetcher.stop`)."""

@@ -574,6 +574,13 @@ def parse_step_name(name: str, block: int) -> int | None:
     return int(name)
 
 
+def parse_step_key(key: str) -> int | None:
+    """The step whose folder holds `key` (a part's blob or marker), None for any other key."""
+    names = key.split("/")
+    block = parse_block_name(names[1]) if len(names) > 3 and names[0] == "steps" else None
+    return None if block is None else parse_step_name(names[2], block)
+
+
 def parse_part_name(name: str) -> PartName | None:
     """The part a commit marker's base name commits, None for anything else."""
     match = _PART_NAME.fullmatch(name)
