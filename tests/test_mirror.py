@@ -33,6 +33,7 @@ from lightning_delta import (
     MirrorSettings,
     PublisherSettings,
     Store,
+    StoreError,
 )
 from lightning_delta import format as fmt
 from lightning_delta import mirror as mirror_module
@@ -750,7 +751,9 @@ def test_a_damaged_source_object_is_passed_over_once_a_newer_base_does_not_need_
     assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])  # 3 and 4 chain through the damage
 
 
-def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_over():
+@pytest.mark.parametrize("new", [True, False])
+def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_over(new):
+    """With a new step after the restart or none (a finished run): the damage is read once."""
     source, mirror = DictObjects(), DictObjects("dict://m")
     torch.manual_seed(0)
     model = TinyLM()
@@ -761,16 +764,19 @@ def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_ov
         source.objects[key] = source.objects[key][:-1]  # truncated: passed over from base 5
         with Mirror(Store(source), Store(mirror)) as m:
             assert m.sync().mirror_step == 7
-        truth[8] = train(None, model, 1, seed=8)[1]
-        publisher.publish(8)
+        if new:
+            truth[8] = train(None, model, 1, seed=8)[1]
+            publisher.publish(8)
     watched = Recording("dict://chain", source.objects)
     with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:  # restarted: a new
         metrics = m.sync()  # process knows nothing of the skip; every pass a listing
-        assert m.sync().mirror_step == 8
-    assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_behind == 0
+        again = m.sync()
+    newest = 8 if new else 7
+    for seen in (metrics, again):
+        assert seen.mirror_step == newest and seen.stopped_at is None and seen.steps_behind == 0
     assert key not in mirror.objects
     assert watched.reads[key] == 1  # found damaged once, then passed over for good, not at every listing
-    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7, 8])
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7, 8][: newest - 2])
 
 
 def test_a_restarted_mirror_copies_a_step_that_came_late_below_its_newest_base():
@@ -788,6 +794,36 @@ def test_a_restarted_mirror_copies_a_step_that_came_late_below_its_newest_base()
         metrics = m.sync()
     assert metrics.stopped_at is None and metrics.steps_behind == 0
     assert_loads(Store(mirror), truth, list(range(1, 9)))
+
+
+def test_a_store_error_while_a_restarted_mirror_reads_its_base_is_raised_and_claimed_again(monkeypatch):
+    """A passing store error is not damage: the pass raises it, and the next one claims again and
+    reads the mirror's base, so damage below it does not hold back the steps after it."""
+    source, mirror = DictObjects(), DictObjects("dict://m")
+    model = TinyLM()
+    with DeltaPublisher(Store(source), model, PublisherSettings(base_every=4)) as publisher:
+        truth = train(publisher, model, 7)  # bases at 1 and 5
+        publisher.flush()
+        key = fmt.blob_path(3, 0, 1)
+        source.objects[key] = source.objects[key][:-1]  # passed over from base 5
+        with Mirror(Store(source), Store(mirror)) as m:
+            assert m.sync().mirror_step == 7
+        truth[8] = train(None, model, 1, seed=8)[1]
+        publisher.publish(8)
+    failures = [StoreError("the mirror's store timed out")]
+
+    def cutoff(*args):
+        if failures:
+            raise failures.pop()
+        return real(*args)
+
+    real = mirror_module.cutoff
+    monkeypatch.setattr(mirror_module, "cutoff", cutoff)
+    with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        with pytest.raises(StoreError, match="timed out"):
+            m.sync()
+        assert m.sync().mirror_step == 8
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7, 8])
 
 
 def test_a_damaged_marker_at_the_mirror_does_not_stop_a_restart():

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from . import format as fmt
 from .cadence import Cadence
-from .errors import ChecksumError, ConflictError, DeltaError, FormatError, SignatureError, StoreError
+from .errors import ChecksumError, ConflictError, FormatError, SignatureError, StoreError
 from .retention import cutoff, delete_steps
 from .signing import Trust
 from .store import Store, as_store
@@ -435,16 +435,17 @@ class Mirror:
                     self._write(key, data, run=run)
             elif (found := self._read(key, fmt.MAX_MANIFEST_BYTES)) is not None:
                 self._write(key, found)
-        self._run, self._world = run, run.world_size
         # A step older than the mirror's newest complete base may be one it passed over before a
         # restart (damage that base does not need), or one that came late at the source (a replicated
         # bucket, a slow rank): it is still listed and copied when complete, but a stop there no longer
-        # holds back the steps from that base on (`_copy`), which the mirror serves already.
+        # holds back the steps from that base on (`_copy`), which the mirror serves already.  A store
+        # error is raised (the next pass claims again); damage at the mirror is said.
         try:
             self._below = cutoff(self.destination, 1) or 0
-        except DeltaError as err:  # damage at the mirror: said, and the mirror goes on as without a base
+        except (FormatError, ChecksumError, SignatureError) as err:
             log.warning("%s: its newest base could not be read (%s): a stop below it holds what follows", self, err)
             self._below = 0
+        self._run, self._world = run, run.world_size
         return self._world
 
     def _start(self, complete: set[int], names: dict[int, list[_Part]]) -> int:
@@ -569,6 +570,10 @@ class Mirror:
                     with self._lock:
                         self.metrics.mirrored_at = time.time()
                 mirrored_base = mirrored_base or _base(ready, world)
+        if stopped is not None and stopped_step < self._below:  # no step from that base on was pending
+            if stopped.damaged:
+                self._skip_below = max(self._skip_below, self._below)
+            stopped = None
         return stopped, mirrored_base
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:

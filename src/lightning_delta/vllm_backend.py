@@ -334,19 +334,19 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
         try:
             prepared, prefetched, wrote = self.follower.update(update_info.step)
         except DeltaError as err:  # the same error on every worker: the group agreed on it
-            if self.follower.held_step is None:  # written in part, and the re-sync failed too
+            if isinstance(err, NotCompleteYetError) and self.follower.held_step == before:  # nothing written
+                log.info(  # a store that fills out of order (a first load included): not damage
+                    "lightning_delta: step %s not applied yet, the engine keeps step %s: %s",
+                    update_info.step,
+                    self.applied,
+                    err,
+                )
+            elif self.follower.held_step is None:  # written in part, and the re-sync failed too
                 self.applied, self._unverified = None, True
                 log.error(
                     "lightning_delta: step %s not applied, and the engine holds no step of the chain: the next "
                     "update re-syncs it from a base: %s",
                     update_info.step,
-                    err,
-                )
-            elif isinstance(err, NotCompleteYetError):  # a store that fills out of order: not damage
-                log.info(
-                    "lightning_delta: step %s not applied yet, the engine keeps step %s: %s",
-                    update_info.step,
-                    self.applied,
                     err,
                 )
             else:
