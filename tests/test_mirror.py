@@ -965,6 +965,25 @@ def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and
     assert_loads(Store(mirror), truth, list(range(1, 8)))
 
 
+def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):
+    """A marker whose blob never reaches a replicated source, below the newest step the mirror
+    holds: the mirror is not behind, and its lag (what `--follow` shows) does not grow."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    publish(shared, 8, base_every=6)  # bases at 1 and 7
+    key = fmt.commit_path(4, 0, 1)
+    marker = shared.objects.pop(key)
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        assert m.sync().mirror_step == 8
+        shared.objects[key] = marker  # the marker comes; its blob never does
+        watched.hidden.add(fmt.blob_path(4, 0, 1))
+        for clock[0] in (10.0, 25.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 8 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
+
+
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():
     home, region, zone = DictObjects("dict://home"), DictObjects("dict://region"), DictObjects("dict://zone")
     truth = publish(home, 9, base_every=3)

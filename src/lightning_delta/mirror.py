@@ -782,7 +782,8 @@ class Mirror:
             self.metrics.source_step = source
             self.metrics.mirror_step = mirrored
             self.metrics.steps_behind = len(behind)
-            self.metrics.lag_seconds = now - min(self._seen.values()) if self._seen else 0.0
+            late = [t for s, t in self._seen.items() if mirrored is None or s > mirrored]  # a hole below: not lag
+            self.metrics.lag_seconds = now - min(late) if late else 0.0
             self.metrics.stopped_at = None if stopped is None else f"{self.source.url}/{stopped.key}"
 
 
