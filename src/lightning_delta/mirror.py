@@ -27,8 +27,8 @@ created exclusively and only missing ones are written, so a mirror killed at any
 where it stopped; an object already at the mirror must be identical.  Each source object is read
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
-does not need it (restarted, it never goes back below the newest base it holds); a damaged bridge
-is left out, and its base copied without it.
+does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
+there on); a damaged bridge is left out, and its base copied without it.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -539,7 +539,7 @@ class Mirror:
             stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
             if stopped is not None and stopped_step < self._below <= step:  # the mirror's base needs nothing below it
                 if stopped.damaged:  # passed over for good, as a running mirror does at a newer base
-                    self._skip_below = self._below
+                    self._skip_below = max(self._skip_below, self._below)
                     log.warning(
                         "%s: mirroring on from its base %d, which does not need %s", self, self._below, stopped.key
                     )
