@@ -582,8 +582,7 @@ class Mirror:
         neither its blob nor its marker, and the mirror goes on (said once)."""
         if not (part.bridge and isinstance(outcome, _Stop) and outcome.damaged):
             return outcome
-        if outcome.key not in self._said:
-            self._said.add(outcome.key)
+        if self._first_time(outcome.key):
             log.warning(
                 "%s: %s/%s is damaged (%s); it is never copied, and step %d is mirrored without its bridge "
                 "(followers there load the base)",
@@ -697,8 +696,7 @@ class Mirror:
             try:
                 self.source.trust.check_heartbeat(self._run, fmt.decode_heartbeat(data), where)
             except (FormatError, SignatureError) as err:
-                if fmt.HEARTBEAT not in self._said:
-                    self._said.add(fmt.HEARTBEAT)
+                if self._first_time(fmt.HEARTBEAT):
                     log.warning("%s: not relaying %s: %s", self, where, err)
                 return
         self.destination.objects.put(fmt.HEARTBEAT, data)
@@ -737,11 +735,16 @@ class Mirror:
                 "the mirror holds another chain, or a damaged copy"
             ) from None
 
+    def _first_time(self, key: str) -> bool:
+        """Whether `key` has not been warned about yet (it is from now on)."""
+        first = key not in self._said
+        self._said.add(key)
+        return first
+
     def _say(self, stop: _Stop) -> None:
         if not stop.damaged:
             log.debug("%s: waiting for %s/%s, which %s", self, self.source.url, stop.key, stop.reason)
-        elif stop.key not in self._said:
-            self._said.add(stop.key)
+        elif self._first_time(stop.key):
             log.warning(
                 "%s: stopped: %s/%s is damaged (%s); it is never copied, and mirroring goes on when the source "
                 "heals or from a newer base",
