@@ -1139,16 +1139,22 @@ def test_an_explicit_update_to_a_step_not_complete_yet_keeps_the_step_held_until
     assert exact(engine, truth[4])
 
 
+def without_step_6s_blob(objects, held: int):
+    """An engine holding step `held` of a chain whose step 6 lacks its blob, its missing clock a
+    fake one (`now[0]`)."""
+    engine = Engine()
+    live = follower(Store(all_but(objects, fmt.blob_path(6, 0, 1))), engine)
+    live.update(held)
+    now = [0.0]
+    live.missing.clock = lambda: now[0]
+    return engine, live, now
+
+
 def test_an_object_missing_counts_towards_missing_after_only_since_the_engine_last_took_a_step(chain_objects):
     """A follower that keeps taking steps is not stuck: the clock restarts at each write (without
     the restart, step 6 here would count as lost, as it would for `follow`)."""
     objects, truth = chain_objects
-    lost = fmt.blob_path(6, 0, 1)
-    engine = Engine()
-    live = follower(Store(all_but(objects, lost)), engine)
-    live.update(3)
-    now = [0.0]
-    live.missing.clock = lambda: now[0]
+    engine, live, now = without_step_6s_blob(objects, 3)
     for step in (4, 5):
         with pytest.raises(NotCompleteYetError):
             live.update(6)
@@ -1201,18 +1207,13 @@ def test_rewriting_the_step_held_does_not_restart_the_missing_clock(chain_object
     """A caller alternating `update(held)` and `update(6)` is stuck on step 5: past `missing_after`,
     step 6's missing blob is damage (tried from its base, `MissingObjectError`)."""
     objects, truth = chain_objects
-    lost = fmt.blob_path(6, 0, 1)
-    engine = Engine()
-    live = follower(Store(all_but(objects, lost)), engine)
-    live.update(5)
-    now = [0.0]
-    live.missing.clock = lambda: now[0]
+    engine, live, now = without_step_6s_blob(objects, 5)
     for _ in range(2):
         with pytest.raises(NotCompleteYetError):
             live.update(6)
         now[0] += 0.75 * live.missing.missing_after
         live.update(5)
-    with pytest.raises(MissingObjectError, match=lost) as raised:
+    with pytest.raises(MissingObjectError, match=fmt.blob_path(6, 0, 1)) as raised:
         live.update(6)
     assert not isinstance(raised.value, NotCompleteYetError)
     assert live.held_step == 5 and exact(engine, truth[5])
