@@ -965,6 +965,61 @@ def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and
     assert_loads(Store(mirror), truth, list(range(1, 8)))
 
 
+def test_a_blob_still_missing_after_missing_after_is_damage(monkeypatch, caplog):
+    """A marker whose blob never reaches a replicated source holds the mirror only `missing_after`
+    seconds (a fake clock): then its step is damage, passed over at a newer base, or the mirror
+    stops there, says which object, and goes on once it comes."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    truth = publish(shared, 7)  # bases at 1 and 5
+    lost, late = fmt.blob_path(3, 0, 1), fmt.blob_path(6, 0, 1)
+    watched.hidden.add(lost)
+
+    def said(key: str) -> int:
+        return len([r for r in caplog.records if key in r.getMessage()])
+
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 119.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 2 and metrics.stopped_at == f"dict://home/{lost}" and not said(lost)
+        clock[0] = 120.0  # lost: damage, said, and the next pass (a listing) passes it over from base 5
+        assert m.sync().stopped_at == f"dict://home/{lost}" and said(lost) == 1
+        metrics = m.sync()
+        assert metrics.mirror_step == 7 and metrics.stopped_at is None
+        assert lost not in mirror.objects
+        assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])
+        # no newer base: past the bound the mirror stops at the step, and goes on once the blob comes
+        shared.objects.update({fmt.commit_path(3, 0, 1): b"", fmt.blob_path(3, 0, 1): b""})  # not read
+        for key in (fmt.commit_path(6, 0, 1), fmt.commit_path(7, 0, 1)):
+            del mirror.objects[key]  # the mirror at 5 again, step 6's blob not at the source yet
+        del mirror.objects[late]
+    watched.hidden = {late}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (200.0, 319.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://home/{late}" and not said(late)
+        for clock[0] in (320.0, 400.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://home/{late}" and said(late) == 1
+        watched.hidden.clear()  # it came after all
+        assert m.sync().mirror_step == 7 and m._missing._since == {}  # a pass waiting for nothing forgets
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])
+
+
+def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = published_run(src, 7, base_every=4)  # bases at 1 and 5
+    Path(src, fmt.blob_path(3, 0, 1)).unlink()
+    assert main(["mirror", src, dst, "--json"]) == 0  # 120 s by default: not there yet
+    assert json.loads(capsys.readouterr().out)["mirror_step"] == 2
+    assert main(["mirror", src, dst, "--json", "--missing-after", "0"]) == 0  # lost at once
+    assert json.loads(capsys.readouterr().out)["mirror_step"] == 7
+    assert_loads(dst, truth, [1, 2, 5, 6, 7])
+
+
 def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
     holds: the mirror is not behind, and its lag (what `--follow` shows) does not grow."""
