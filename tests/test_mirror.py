@@ -128,6 +128,8 @@ def test_a_mirror_writes_in_commit_order_and_every_step_is_complete_only_once_al
 
 
 def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twice(tmp_path):
+    """And a follower at the mirror, following through the kills and restarts, hands out every step
+    it lists bit-exactly (applied to the state it holds) and reaches the newest."""
     src, dst, log = str(tmp_path / "src"), str(tmp_path / "dst"), tmp_path / "twice.log"
     truth = published_run(src, 12, base_every=4)  # bases at 1, 5 and 9
     damaged = Path(src, fmt.blob_path(3, 0, 1))  # passed over from base 5, before and after each restart
@@ -136,6 +138,25 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
     rng = random.Random(40)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     kills = 0
+    handed: dict[int, dict[str, torch.Tensor]] = {}
+    failed: list[BaseException] = []
+    turn = threading.Condition()
+
+    def follow() -> None:
+        try:
+            for followed in DeltaLoader(dst).follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=60)):
+                with turn:
+                    handed[followed.step] = followed.tensors
+                    turn.notify_all()
+                if followed.step == 12:
+                    return
+        except BaseException as err:  # said by the test's thread
+            failed.append(err)
+        finally:
+            with turn:
+                turn.notify_all()
+
+    follower = threading.Thread(target=follow, daemon=True)
     # the first run killed after base 5's marker (26 writes in all, 8 markers after it) and before
     # step 12's: its restart must not stop again at step 3, with the base after it already there
     for kill_at in [objects - 10, *sorted(rng.sample(range(1, objects + 1), 3)), 0]:
@@ -146,10 +167,20 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
             kills += done.returncode == -9
         else:
             assert done.returncode == 0, done.stderr
-        assert_loads(dst, truth)  # whatever it had done, every step listed loads
+        listed = assert_loads(dst, truth)  # whatever it had done, every step listed loads
+        if follower.ident is None:  # from the first run's steps on, before the mirror's restart
+            follower.start()
+        with turn:  # the follower takes the newest step the mirror lists before the mirror goes on
+            caught_up = functools.partial(lambda newest: failed or max(handed, default=None) == newest, listed[-1])
+            assert turn.wait_for(caught_up, timeout=60)
+        assert not failed, failed
     assert kills >= 1
     assert_loads(dst, truth, [1, 2, *range(5, 13)])
     assert not log.exists(), log.read_text()  # no object was written twice
+    follower.join(timeout=60)
+    assert not failed and sorted(handed) == [1, 2, *range(5, 13)]  # replayed: every step listed, in order
+    for step, tensors in handed.items():
+        assert_state(tensors, truth[step])
 
 
 @pytest.mark.parametrize("held_up", [0.0, 100.0])
