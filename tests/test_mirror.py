@@ -927,6 +927,43 @@ def test_a_damaged_bridge_is_never_copied_and_its_base_is_mirrored_without_it(ca
     assert [r.bridge for r in Store(mirror).part_refs(4, 0, 1)] == [False]  # a follower at 3 reads the base
 
 
+def test_a_bridge_left_out_is_copied_once_it_heals_while_its_base_is_the_mirrors_newest():
+    """A damaged bridge is tried again at each listing until a newer base makes it useless: healed,
+    its blob and then its marker are copied, so followers at the step before its base read it."""
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), Recording("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    first, second = fmt.blob_path(4, 0, 1, bridge=True), fmt.blob_path(7, 0, 1, bridge=True)
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m,  # lists at every pass
+    ):
+        truth = train(publisher, model, 5)  # bases at 1 and 4, a bridge at 4
+        publisher.flush()
+        good = shared.objects[first]
+        shared.objects[first] = good[:-1]
+        assert m.sync().mirror_step == 5 and first not in mirror.objects
+        shared.objects[first] = good  # healed
+        assert m.sync().mirror_step == 5
+        assert mirror.events[-2:] == [("create", first), ("create", first + ".commit")]  # blob, then marker
+        assert mirror.objects == shared.objects
+        for step in range(6, 11):  # bases at 7 and 10
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+            publisher.flush()
+            if step == 7:
+                good = shared.objects[second]
+                shared.objects[second] = good[:-1]
+            if step in (8, 10):
+                assert m.sync().mirror_step == step and second not in mirror.objects
+        reads = watched.reads[second]
+        shared.objects[second] = good  # healed after base 10 was mirrored: no follower needs it now
+        assert m.sync().mirror_step == 10
+    assert second not in mirror.objects and watched.reads[second] == reads  # not read again
+    assert_loads(Store(mirror), truth, list(range(1, 11)))
+
+
 def test_a_blob_at_the_mirror_that_is_not_the_sources_is_refused_and_its_marker_not_written():
     source, mirror = DictObjects(), DictObjects("dict://m")
     publish(source, 3)

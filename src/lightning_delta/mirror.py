@@ -28,7 +28,8 @@ where it stopped; an object already at the mirror must be identical.  Each sourc
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
 does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
-there on); a damaged bridge is left out, and its base copied without it.  A blob whose marker
+there on); a damaged bridge is left out, and its base copied without it (and the bridge after
+it, if it heals while that base is the newest copied).  A blob whose marker
 is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
 then it is damage.
 
@@ -232,6 +233,7 @@ class Mirror:
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
+        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again
         self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
@@ -409,6 +411,7 @@ class Mirror:
         for step in complete:
             self._seen.setdefault(step, now)
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
+        self._heal_bridges(set(listed))  # left out at an earlier pass
         stopped, mirrored_base = self._copy(pending, names, complete, world)
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
@@ -580,7 +583,9 @@ class Mirror:
                 if step == max(self._done):
                     with self._lock:
                         self.metrics.mirrored_at = time.time()
-                mirrored_base = mirrored_base or _base(ready, world)
+                if _base(ready, world):  # a bridge left out before it is of no use any more
+                    self._left_out = {p for p in self._left_out if p.step >= step}
+                    mirrored_base = True
         if stopped is not None and stopped_step < self._below:  # no step from that base on was pending
             if stopped.damaged:
                 self._skip_below = max(self._skip_below, self._below)
@@ -593,6 +598,7 @@ class Mirror:
         neither its blob nor its marker, and the mirror goes on (said once)."""
         if not (part.bridge and isinstance(outcome, _Stop) and outcome.damaged):
             return outcome
+        self._left_out.add(part)  # tried again at each listing while its base is the newest (`_heal_bridges`)
         if self._first_time(outcome.key):
             log.warning(
                 "%s: %s/%s is damaged (%s); it is never copied, and step %d is mirrored without its bridge "
@@ -604,6 +610,24 @@ class Mirror:
                 part.step,
             )
         return None
+
+    def _heal_bridges(self, listed: set[int]) -> None:
+        """Copy a bridge left out as damaged once it is good at the source (its blob, then its
+        marker: it is visible only when its objects are there), while its base is the newest the
+        mirror copied: followers that hold the step before it then read the bridge, not the base."""
+        for part in sorted(self._left_out):
+            if part.step not in listed:  # deleted by the source's retention
+                self._left_out.discard(part)
+                continue
+            outcome = self._prepare(part, set(self.destination.objects.list(fmt.step_dir(part.step))))
+            with self._lock:  # read again at the next try
+                self._markers.pop(part.marker_key, None)
+                self._checked -= {part.marker_key, part.blob_key}
+            if isinstance(outcome, _Ready):
+                if not outcome.there:
+                    self._write(part.marker_key, outcome.marker)
+                self._left_out.discard(part)
+                log.info("%s: %s/%s is good now, and copied", self, self.source.url, part.blob_key)
 
     def _prepare(self, part: _Part, at_mirror: set[str]) -> _Ready | _Stop:
         """Read `part`'s marker, and put its blob at the mirror, checked first (a thread's job)."""
