@@ -128,6 +128,8 @@ def test_a_mirror_writes_in_commit_order_and_every_step_is_complete_only_once_al
 
 
 def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twice(tmp_path):
+    """And a follower at the mirror, following through the kills and restarts, hands out every step
+    it lists bit-exactly (applied to the state it holds) and reaches the newest."""
     src, dst, log = str(tmp_path / "src"), str(tmp_path / "dst"), tmp_path / "twice.log"
     truth = published_run(src, 12, base_every=4)  # bases at 1, 5 and 9
     damaged = Path(src, fmt.blob_path(3, 0, 1))  # passed over from base 5, before and after each restart
@@ -136,6 +138,25 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
     rng = random.Random(40)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     kills = 0
+    handed: dict[int, dict[str, torch.Tensor]] = {}
+    failed: list[BaseException] = []
+    turn = threading.Condition()
+
+    def follow() -> None:
+        try:
+            for followed in DeltaLoader(dst).follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=60)):
+                with turn:
+                    handed[followed.step] = followed.tensors
+                    turn.notify_all()
+                if followed.step == 12:
+                    return
+        except BaseException as err:  # said by the test's thread
+            failed.append(err)
+        finally:
+            with turn:
+                turn.notify_all()
+
+    follower = threading.Thread(target=follow, daemon=True)
     # the first run killed after base 5's marker (26 writes in all, 8 markers after it) and before
     # step 12's: its restart must not stop again at step 3, with the base after it already there
     for kill_at in [objects - 10, *sorted(rng.sample(range(1, objects + 1), 3)), 0]:
@@ -146,10 +167,20 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
             kills += done.returncode == -9
         else:
             assert done.returncode == 0, done.stderr
-        assert_loads(dst, truth)  # whatever it had done, every step listed loads
+        listed = assert_loads(dst, truth)  # whatever it had done, every step listed loads
+        if follower.ident is None:  # from the first run's steps on, before the mirror's restart
+            follower.start()
+        with turn:  # the follower takes the newest step the mirror lists before the mirror goes on
+            caught_up = functools.partial(lambda newest: failed or max(handed, default=None) == newest, listed[-1])
+            assert turn.wait_for(caught_up, timeout=60)
+        assert not failed, failed
     assert kills >= 1
     assert_loads(dst, truth, [1, 2, *range(5, 13)])
     assert not log.exists(), log.read_text()  # no object was written twice
+    follower.join(timeout=60)
+    assert not failed and sorted(handed) == [1, 2, *range(5, 13)]  # replayed: every step listed, in order
+    for step, tensors in handed.items():
+        assert_state(tensors, truth[step])
 
 
 @pytest.mark.parametrize("held_up", [0.0, 100.0])
@@ -896,6 +927,43 @@ def test_a_damaged_bridge_is_never_copied_and_its_base_is_mirrored_without_it(ca
     assert [r.bridge for r in Store(mirror).part_refs(4, 0, 1)] == [False]  # a follower at 3 reads the base
 
 
+def test_a_bridge_left_out_is_copied_once_it_heals_while_its_base_is_the_mirrors_newest():
+    """A damaged bridge is tried again at each listing until a newer base makes it useless: healed,
+    its blob and then its marker are copied, so followers at the step before its base read it."""
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), Recording("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    first, second = fmt.blob_path(4, 0, 1, bridge=True), fmt.blob_path(7, 0, 1, bridge=True)
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m,  # lists at every pass
+    ):
+        truth = train(publisher, model, 5)  # bases at 1 and 4, a bridge at 4
+        publisher.flush()
+        good = shared.objects[first]
+        shared.objects[first] = good[:-1]
+        assert m.sync().mirror_step == 5 and first not in mirror.objects
+        shared.objects[first] = good  # healed
+        assert m.sync().mirror_step == 5
+        assert mirror.events[-2:] == [("create", first), ("create", first + ".commit")]  # blob, then marker
+        assert mirror.objects == shared.objects
+        for step in range(6, 11):  # bases at 7 and 10
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+            publisher.flush()
+            if step == 7:
+                good = shared.objects[second]
+                shared.objects[second] = good[:-1]
+            if step in (8, 10):
+                assert m.sync().mirror_step == step and second not in mirror.objects
+        reads = watched.reads[second]
+        shared.objects[second] = good  # healed after base 10 was mirrored: no follower needs it now
+        assert m.sync().mirror_step == 10
+    assert second not in mirror.objects and watched.reads[second] == reads  # not read again
+    assert_loads(Store(mirror), truth, list(range(1, 11)))
+
+
 def test_a_blob_at_the_mirror_that_is_not_the_sources_is_refused_and_its_marker_not_written():
     source, mirror = DictObjects(), DictObjects("dict://m")
     publish(source, 3)
@@ -963,6 +1031,61 @@ def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and
         metrics = m.sync()
     assert metrics.mirror_step == 7 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
     assert_loads(Store(mirror), truth, list(range(1, 8)))
+
+
+def test_a_blob_still_missing_after_missing_after_is_damage(monkeypatch, caplog):
+    """A marker whose blob never reaches a replicated source holds the mirror only `missing_after`
+    seconds (a fake clock): then its step is damage, passed over at a newer base, or the mirror
+    stops there, says which object, and goes on once it comes."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    truth = publish(shared, 7)  # bases at 1 and 5
+    lost, late = fmt.blob_path(3, 0, 1), fmt.blob_path(6, 0, 1)
+    watched.hidden.add(lost)
+
+    def said(key: str) -> int:
+        return len([r for r in caplog.records if key in r.getMessage()])
+
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 119.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 2 and metrics.stopped_at == f"dict://home/{lost}" and not said(lost)
+        clock[0] = 120.0  # lost: damage, said, and the next pass (a listing) passes it over from base 5
+        assert m.sync().stopped_at == f"dict://home/{lost}" and said(lost) == 1
+        metrics = m.sync()
+        assert metrics.mirror_step == 7 and metrics.stopped_at is None
+        assert lost not in mirror.objects
+        assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])
+        # no newer base: past the bound the mirror stops at the step, and goes on once the blob comes
+        shared.objects.update({fmt.commit_path(3, 0, 1): b"", fmt.blob_path(3, 0, 1): b""})  # not read
+        for key in (fmt.commit_path(6, 0, 1), fmt.commit_path(7, 0, 1)):
+            del mirror.objects[key]  # the mirror at 5 again, step 6's blob not at the source yet
+        del mirror.objects[late]
+    watched.hidden = {late}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (200.0, 319.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://home/{late}" and not said(late)
+        for clock[0] in (320.0, 400.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://home/{late}" and said(late) == 1
+        watched.hidden.clear()  # it came after all
+        assert m.sync().mirror_step == 7 and m._missing._since == {}  # a pass waiting for nothing forgets
+    assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])
+
+
+def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = published_run(src, 7, base_every=4)  # bases at 1 and 5
+    Path(src, fmt.blob_path(3, 0, 1)).unlink()
+    assert main(["mirror", src, dst, "--json"]) == 0  # 120 s by default: not there yet
+    assert json.loads(capsys.readouterr().out)["mirror_step"] == 2
+    assert main(["mirror", src, dst, "--json", "--missing-after", "0"]) == 0  # lost at once
+    assert json.loads(capsys.readouterr().out)["mirror_step"] == 7
+    assert_loads(dst, truth, [1, 2, 5, 6, 7])
 
 
 def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):

@@ -265,6 +265,7 @@ def _mirror(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         list_seconds=args.list_seconds,
         paced=not args.unpaced,
+        missing_after=args.missing_after,
     )
     options = {"source_options": args.storage_options, "destination_options": args.dst_storage_options}
     with Mirror(args.store, args.destination, settings, **options, trust=Trust.of(args.trust)) as mirror:
@@ -397,6 +398,12 @@ def parser() -> argparse.ArgumentParser:
     )
     mirror.add_argument(
         "--unpaced", action="store_true", help="poll every --poll-seconds, not only once the next step is due"
+    )
+    mirror.add_argument(
+        "--missing-after",
+        type=float,
+        default=120.0,
+        help="seconds a blob whose marker the source holds may stay missing before it counts as damage",
     )
     keys = sub.add_parser("keygen", help="write a new Ed25519 signing key: PATH (private, 0600) and PATH.pub")
     keys.add_argument("path", help="where the private key goes (it must not exist)")

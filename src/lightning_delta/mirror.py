@@ -28,7 +28,10 @@ where it stopped; an object already at the mirror must be identical.  Each sourc
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
 does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
-there on); a damaged bridge is left out, and its base copied without it.
+there on); a damaged bridge is left out, and its base copied without it (and the bridge after
+it, if it heals while that base is the newest copied).  A blob whose marker
+is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
+then it is damage.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -49,7 +52,8 @@ from typing import Any, NamedTuple
 
 from . import format as fmt
 from .cadence import Cadence
-from .errors import ChecksumError, ConflictError, FormatError, SignatureError, StoreError
+from .errors import ChecksumError, ConflictError, FormatError, MissingObjectError, SignatureError, StoreError
+from .incomplete import MissingClock
 from .retention import cutoff, delete_steps
 from .signing import Trust
 from .store import Store, as_store
@@ -99,6 +103,10 @@ class MirrorSettings:
     nearly always, so each reads its marker only (one 404, not two).  A blob read before its marker is
     held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
     marker is) until the marker is read and checks it."""
+    missing_after: float = 120.0
+    """Seconds a blob whose marker the source holds may stay missing (a replicated source that has
+    not received it yet) before it counts as damage, as for followers (`FollowSettings.missing_after`):
+    until then the mirror waits at its step; after, it treats the step as damaged."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -111,6 +119,8 @@ class MirrorSettings:
             raise ValueError(f"list_seconds must be > 0, got {self.list_seconds}")
         if not 0 <= self.late_share < 1:
             raise ValueError(f"late_share must be >= 0 and < 1, got {self.late_share}")
+        if self.missing_after < 0:
+            raise ValueError(f"missing_after must be >= 0, got {self.missing_after}")
 
 
 @dataclass
@@ -223,6 +233,7 @@ class Mirror:
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
+        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again
         self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
@@ -236,6 +247,8 @@ class Mirror:
         self._missed_none = False  # and found nothing of it (not a step partly there)
         self._beat_at: float | None = None  # when the heartbeat was last relayed
         self._paced = False  # following with `paced`: a blob is read ahead only when a step may be near
+        # how long each blob has been missing; the clock looked up at each call (a test's fake one)
+        self._missing = MissingClock(self.settings.missing_after, lambda: time.monotonic())
 
     def __repr__(self) -> str:
         return f"Mirror({self.source.url!r} -> {self.destination.url!r})"
@@ -398,6 +411,7 @@ class Mirror:
         for step in complete:
             self._seen.setdefault(step, now)
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
+        self._heal_bridges(set(listed))  # left out at an earlier pass
         stopped, mirrored_base = self._copy(pending, names, complete, world)
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
@@ -569,7 +583,9 @@ class Mirror:
                 if step == max(self._done):
                     with self._lock:
                         self.metrics.mirrored_at = time.time()
-                mirrored_base = mirrored_base or _base(ready, world)
+                if _base(ready, world):  # a bridge left out before it is of no use any more
+                    self._left_out = {p for p in self._left_out if p.step >= step}
+                    mirrored_base = True
         if stopped is not None and stopped_step < self._below:  # no step from that base on was pending
             if stopped.damaged:
                 self._skip_below = max(self._skip_below, self._below)
@@ -582,6 +598,7 @@ class Mirror:
         neither its blob nor its marker, and the mirror goes on (said once)."""
         if not (part.bridge and isinstance(outcome, _Stop) and outcome.damaged):
             return outcome
+        self._left_out.add(part)  # tried again at each listing while its base is the newest (`_heal_bridges`)
         if self._first_time(outcome.key):
             log.warning(
                 "%s: %s/%s is damaged (%s); it is never copied, and step %d is mirrored without its bridge "
@@ -593,6 +610,24 @@ class Mirror:
                 part.step,
             )
         return None
+
+    def _heal_bridges(self, listed: set[int]) -> None:
+        """Copy a bridge left out as damaged once it is good at the source (its blob, then its
+        marker: it is visible only when its objects are there), while its base is the newest the
+        mirror copied: followers that hold the step before it then read the bridge, not the base."""
+        for part in sorted(self._left_out):
+            if part.step not in listed:  # deleted by the source's retention
+                self._left_out.discard(part)
+                continue
+            outcome = self._prepare(part, set(self.destination.objects.list(fmt.step_dir(part.step))))
+            with self._lock:  # read again at the next try
+                self._markers.pop(part.marker_key, None)
+                self._checked -= {part.marker_key, part.blob_key}
+            if isinstance(outcome, _Ready):
+                if not outcome.there:
+                    self._write(part.marker_key, outcome.marker)
+                self._left_out.discard(part)
+                log.info("%s: %s/%s is good now, and copied", self, self.source.url, part.blob_key)
 
     def _prepare(self, part: _Part, at_mirror: set[str]) -> _Ready | _Stop:
         """Read `part`'s marker, and put its blob at the mirror, checked first (a thread's job)."""
@@ -627,7 +662,7 @@ class Mirror:
             else:
                 blob = self._blob(part, marker)
                 if blob is None:
-                    return _Stop(part.blob_key, "is not at the source yet", damaged=False)
+                    return self._not_there(part.blob_key)
                 try:
                     fmt.verify_blob(blob, marker)
                 except (FormatError, ChecksumError) as err:
@@ -636,6 +671,15 @@ class Mirror:
             with self._lock:
                 self._checked.add(part.blob_key)
         return _Ready(part, data, marker.kind, there=False)
+
+    def _not_there(self, key: str) -> _Stop:
+        """A blob whose marker the source holds, missing: not there yet, or lost once it has been
+        missing for `missing_after` (damage then: the mirror stops there, or passes it over)."""
+        with self._lock:
+            lost = self._missing.lost(MissingObjectError(key, key))
+        if lost:
+            return _Stop(key, f"has been missing for {self.settings.missing_after:g} s or more", damaged=True)
+        return _Stop(key, "is not at the source yet", damaged=False)
 
     # ------------------------------------------------------------------ objects
 
@@ -776,6 +820,8 @@ class Mirror:
             self.metrics.steps_deleted += len(doomed)
 
     def _update(self, stopped: _Stop | None) -> None:
+        if stopped is None:  # nothing missing holds the mirror: the clock forgets (what goes missing
+            self._missing.restart()  # later counts from then)
         source = max(self._known, default=None)
         mirrored = max(self._done, default=None)
         behind = [s for s in self._known if mirrored is None or s > mirrored]
