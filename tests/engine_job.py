@@ -5,7 +5,8 @@ engine (tests/fused.py) following the chain they wrote:
 
 Rank 0 damages a payload of step 7 between the two.  Each worker learns its view map, follows
 steps 1, 2, 3, 6, 7, 8 and writes OUT/rank-R.json: whether its parameters equal its slices of the
-trainer's tensors after each step, what it fetched, and the errors it met.  CONTEXT `EXPONENT`:
+trainer's tensors after each step, what it fetched, and the errors it met (and, with CONTEXT
+`NONE` alone, `not_complete_yet`'s case).  CONTEXT `EXPONENT`:
 CLASSED deltas, prepared (decoded and checked) then written; `NONE`: SPARSE deltas through
 `update`, which walks each step in sync into the parameters, checked as it is written
 (`sparse_walk`, or with APPLY `DEVICE` the device walk's Triton kernels under the interpreter),
@@ -71,10 +72,7 @@ def main() -> None:
         walkers.walker = made
     follower = following(store_url, engine, apply, group=dist.group.WORLD)
     report["refused"] = sorted(follower.map.refused)
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lightning_delta.engine").addHandler(handler)
+    warnings = warnings_of("lightning_delta.engine")
     report["walked"], report["on_device"] = 0, 0
     for cls in (sparse_walk.Walk, device_walk.DeviceWalk):
 
@@ -101,11 +99,7 @@ def main() -> None:
             report["untouched"].append(all(torch.equal(before[k], v) for k, v in engine.state().items()))
             continue
         report["walked_by_step"][step] = report["walked"] - walked
-        expected = engine.expected(truth[step])
-        state = engine.state()
-        report["exact"].append(
-            all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items())
-        )
+        report["exact"].append(exact(engine, truth[step]))
         report["parts"].append(prepared.report.parts_read)
     follower.verify()
     engine.qkv.data.view(-1)[rank] += 1  # behind the follower's back, on every worker
@@ -114,7 +108,65 @@ def main() -> None:
     except DeltaError as err:
         report["tampered"] = type(err).__name__
     report["warned"] = sum("exponent context" in w for w in warnings)
+    if context == Context.NONE and apply is None:
+        report["not_yet"] = not_complete_yet(store_url, rank, size, truth)
     jobs.report(out, rank, report)
+
+
+def not_complete_yet(store_url: str, rank: int, size: int, truth: dict[int, dict[str, torch.Tensor]]) -> list[list]:
+    """A fresh follower holding step 3 while worker 1's blob of step 4 (trainer rank 1's part,
+    which worker 1 alone fetches) is not there yet, its missing clock a fake one on each worker
+    (group rank 0's verdict counts: worker 1's bound is 0): what each update did ([step asked,
+    outcome, step held, engine untouched or exact, warnings, bytes this worker read])."""
+    engine = Engine(rank, size)
+    follower = following(store_url, engine, group=dist.group.WORLD)
+    follower.update(3)
+    now, bound = [0.0], follower.missing.missing_after
+    follower.missing.clock = lambda: now[0]
+    if rank == 1:  # alone, worker 1 would call the blob lost at once
+        follower.missing.missing_after = 0.0
+    warnings = warnings_of("lightning_delta")
+    hole = os.path.join(store_url, fmt.blob_path(4, 1, 2))
+    if rank == 0:
+        os.rename(hole, hole + ".away")
+    dist.barrier()
+    seen: list[list] = []
+
+    def update(step: int | None) -> None:
+        before, read, said = {k: v.clone() for k, v in engine.state().items()}, follower.store.bytes_read, len(warnings)
+        try:
+            prepared, _, _ = follower.update(step)
+            outcome, same = str(prepared.step), exact(engine, truth[prepared.step])
+        except DeltaError as err:
+            outcome, same = type(err).__name__, all(torch.equal(before[k], v) for k, v in engine.state().items())
+        seen.append([step, outcome, follower.held_step, same, len(warnings) - said, follower.store.bytes_read - read])
+
+    update(None)  # 8 (through 4) not complete yet, and nothing older than 4 newer than 3
+    update(8)
+    now[0] += bound / 2
+    update(4)
+    now[0] += bound / 2  # missing for missing_after: damage, tried from its base
+    update(4)
+    dist.barrier()
+    if rank == 0:
+        os.rename(hole + ".away", hole)
+    dist.barrier()
+    update(4)
+    return seen
+
+
+def warnings_of(logger: str) -> list[str]:
+    """The messages of the warnings `logger` logs from now on (the list fills as they come)."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    return said
+
+
+def exact(engine: Engine, truth: dict[str, torch.Tensor]) -> bool:
+    state = engine.state()
+    return all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in engine.expected(truth).items())
 
 
 def host_only(at: str) -> bool:

@@ -1010,6 +1010,17 @@ def test_two_tensor_parallel_workers_share_one_download_and_each_writes_its_slic
     # two trainer ranks: each worker fetched one rank's parts (the base 1, a delta each for 2 and
     # 3, then 4, the bridge at 5 and 6), and the other worker's arrived through the group
     assert [r["parts"] for r in reports] == [[1, 1, 1, 3], [1, 1, 1, 3]]
+    if context == Context.NONE and apply is None:  # held 3, worker 1's blob of step 4 not there yet
+        # [step asked, outcome, step held, untouched or exact, warnings] on both workers alike (group
+        # rank 0's verdict: worker 1's bound is 0): not complete yet twice, damage past the bound
+        # (tried from its base: the one warning), then the blob arrives and both take it
+        not_yet, damage = ["NotCompleteYetError", 3, True, 0], ["MissingObjectError", 3, True, 1]
+        expected = [[None, *not_yet], [8, *not_yet], [4, *not_yet], [4, *damage], [4, "4", 4, True, 0]]
+        assert [[row[:5] for row in r["not_yet"]] for r in reports] == [expected, expected]
+        # update(None) reads what update(8) reads: after 8's miss (met by worker 1, the other worker
+        # knows only its message) no step older than 8 through the hole at 4 is tried (7, 6, 5, 4:
+        # 10,670 and 8,234 bytes against 3,500 and 3,003 before)
+        assert [r["not_yet"][0][5] for r in reports] == [r["not_yet"][1][5] for r in reports]
 
 
 def test_a_full_check_whose_weights_cannot_be_listed_raises_that_error(store_url):

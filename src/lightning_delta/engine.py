@@ -490,10 +490,11 @@ class EngineFollower:
         self, after: int | None, verify: bool, stop: threading.Event | None = None
     ) -> EngineStep | int:
         """The newest complete step listed after `after` (group rank 0's listing), prepared: a step
-        not complete yet is passed over for the steps older than the one whose object is missing
-        (the newer ones chain through it: trying each would read their blobs again, k^2/2 for k
-        steps); `_NONE` if none is listed, `_STOP` once `stop` is set on any worker.  Where every
-        newer step listed is not complete yet, the newest one's `NotCompleteYetError`."""
+        not complete yet is passed over for the steps older than the one whose object is missing,
+        whichever worker met it (the newer ones chain through it: trying each would read their
+        blobs again, k^2/2 for k steps); `_NONE` if none is listed, `_STOP` once `stop` is set on
+        any worker.  Where every newer step listed is not complete yet, the newest one's
+        `NotCompleteYetError`."""
         below: int | None = None  # only steps older than this one are tried
         incomplete: NotCompleteYetError | None = None
         while True:
@@ -512,10 +513,10 @@ class EngineFollower:
                 return _NONE
             try:
                 return self._prepare_step(decided[0], verify)
-            except NotCompleteYetError as err:
+            except NotCompleteYetError as err:  # raised on every worker: each says what it knows
                 incomplete = incomplete or err
-                missing = fmt.parse_step_key(err.key)  # None where the key is another worker's message
-                below = decided[0] if missing is None else min(missing, decided[0])
+                hole = fmt.parse_step_key(err.key)  # None where the key is another worker's message
+                below = min(self.decisions.decide(decided[0] if hole is None else min(hole, decided[0])))
 
     def _stop_prefetch(self) -> None:
         """Stop the prefetcher, keeping the step it made ready for `take` (`Prefetcher.stop`)."""

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from . import format as fmt
 from .errors import DeltaError, MissingObjectError, SignatureError, StoreError
 from .incomplete import MissingClock
 from .patch import LoadReport, StepPatch
@@ -214,16 +215,16 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
     def produce() -> None:
         last = source.held_step  # newer steps than the one held
         skipped: list[int] = []
-        waiting: set[int] = set()  # listed steps found not complete yet since the last pause
+        below: int | None = None  # since the last pause, only steps older than this one are tried
         missing = MissingClock(settings.missing_after)
         forged: set[int] = set()  # refused by signature: passed over, never a reason to skip past
         idle_since, said = time.monotonic(), False
         handed_out = False
 
-        def attempt(step: int) -> StepPatch | DeltaError | None:
-            """`step` prepared; None if an object it needs is not there yet; the error if the step
-            does not rebuild (damage) or is not the trainer's (a `SignatureError`).  A store that
-            fails for good raises."""
+        def attempt(step: int) -> StepPatch | DeltaError | int:
+            """`step` prepared; if an object it needs is not there yet, the step that object belongs
+            to (the oldest any worker of a replica met); the error if the step does not rebuild
+            (damage) or is not the trainer's (a `SignatureError`).  A store that fails for good raises."""
             try:
                 return source.prepare(step, resync_missing=False)
             except StoreError:
@@ -236,7 +237,9 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
             verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
             if verdict == _WAIT:
                 log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
-                return None
+                # None where the key is another worker's message, or no step's object (the run manifest)
+                hole = fmt.parse_step_key(error.key) if isinstance(error, MissingObjectError) else None
+                return min(source.decide(step if hole is None else min(hole, step)))
             if verdict == _FORGED and not isinstance(error, SignatureError):
                 return SignatureError(f"step {step} was refused by signature on worker 0 of the replica")
             if verdict in (_BROKEN, _FORGED):
@@ -259,11 +262,12 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     if not listed and last is None and not said:  # a follower started before its trainer
                         log.warning("following: no complete step yet, polling every %s s", settings.poll_seconds)
                         said = True
-                    # Jump: the newest step not found incomplete since the last pause; replay: the
-                    # next step, unless it is incomplete.
-                    newer = [s for s in listed if s not in waiting] if settings.jump else listed[:1]
+                    # Jump: the newest step older than any object found missing since the last
+                    # pause (the newer ones chain through it: trying each would read their blobs
+                    # again, k^2/2 for k steps); replay: the next step, unless it is incomplete.
+                    newer = listed if settings.jump else listed[:1]
+                    newer = [s for s in newer if below is None or s < below]
                     decision = (newer[-1] if settings.jump else newer[0]) if newer else _NONE
-                    decision = _NONE if decision in waiting else decision
                 except MissingObjectError as err:  # steps listed before the run manifest arrived
                     decision = _NONE if not missing.lost(err) else err
                 except DeltaError as err:
@@ -277,12 +281,12 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     return
                 newest = decisions[0]
                 if newest == _NONE:
-                    waiting.clear()  # what was incomplete is tried again after the pause
+                    below = None  # what was incomplete is tried again after the pause
                     turn.pause(settings.poll_seconds)
                     continue
                 prepared = attempt(newest)
-                if prepared is None:
-                    waiting.add(newest)
+                if isinstance(prepared, int):
+                    below = prepared
                     continue
                 if isinstance(prepared, SignatureError):  # not the trainer's: the steps before it may still come
                     log.warning("step %d refused, passing over it: %s", newest, prepared)
