@@ -500,3 +500,31 @@ def test_a_hole_in_the_chain_costs_each_poll_the_newer_steps_blobs_once(small_ch
     assert followed.step == 9 and followed.skipped == ()
     assert_exact(followed, truth)
     follower.close()
+
+
+def test_steps_newer_than_a_hole_are_tried_as_soon_as_an_older_one_is_taken(small_chain):
+    """Held 1, step 3's blob and steps 4-9 not there yet: 2 is taken past the hole; once the rest
+    arrives, the next `next()` takes 9 at its first listing, not after a whole poll (the bound
+    "older than the hole" ends with the step handed out)."""
+    objects, truth = small_chain
+    late = {k for k in objects if (fmt.parse_step_key(k) or 0) >= 4} | {fmt.blob_path(3, 0, 1)}
+    listings = [0]
+
+    class Counting(Revealing):
+        def list(self, key: str) -> list[str]:
+            listings[0] += key == "steps"
+            return super().list(key)
+
+    store = Counting(objects, sorted(objects), [0])  # shows only what the test adds
+    store.shown |= set(objects) - late
+    loader = DeltaLoader(Store(store))
+    loader.state_dict(1)
+    follower = loader.follow(FollowSettings(poll_seconds=0.001, timeout=60, prefetch=False))
+    first = next(follower)
+    assert first.step == 2  # 3 is not complete yet: the older 2 is taken
+    store.shown |= late
+    listings[0] = 0
+    second = next(follower)
+    assert second.step == 9 and listings[0] == 2  # the steps listed, and those after 9 (none): no pause between
+    assert_exact(second, truth)
+    follower.close()

@@ -222,8 +222,8 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
         handed_out = False
 
         def attempt(step: int) -> StepPatch | DeltaError | int:
-            """`step` prepared; if an object it needs is not there yet, the step that object belongs
-            to (the oldest any worker of a replica met); the error if the step does not rebuild
+            """`step` prepared; if an object it needs is not there yet, the older of `step` and the
+            step that object belongs to (the oldest any worker of a replica met); the error if the step does not rebuild
             (damage) or is not the trainer's (a `SignatureError`).  A store that fails for good raises."""
             try:
                 return source.prepare(step, resync_missing=False)
@@ -305,6 +305,7 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
                     newer_count = err
                 behind = source.decide(newer_count)[0]
                 last, idle_since = newest, time.monotonic()
+                below = None  # the steps newer than a hole are tried again once one older is taken
                 missing.restart()
                 if settings.max_staleness is not None and behind > settings.max_staleness:
                     log.warning("following: step %d is %d steps behind the store", newest, behind)
