@@ -50,9 +50,10 @@ def env_for(*, plain: bool, tp: int, dtype: str = "bfloat16") -> dict[str, str]:
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
         "VLLM_JOB_DTYPE": dtype,  # the engines' (vllm_job.ENGINE); the chain is bf16 whatever it is
     }
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    else:
+    # the engine core in the job's process at TP=2 too (its workers still in processes of their own):
+    # one process fewer to start and to talk through, for each engine the job starts
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
     return env
 
