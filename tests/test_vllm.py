@@ -32,7 +32,6 @@ APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3
 BUILT = {
     "offline": "chain",
     "offline-tp2": "chain",
-    "reload-fails": "chain",
     "probe": "probe",
     "probe-serve": "probe",
     "mla": "mla",
@@ -51,9 +50,10 @@ def env_for(*, plain: bool, tp: int, dtype: str = "bfloat16") -> dict[str, str]:
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
         "VLLM_JOB_DTYPE": dtype,  # the engines' (vllm_job.ENGINE); the chain is bf16 whatever it is
     }
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    else:
+    # the engine core in the job's process at TP=2 too (its workers still in processes of their own):
+    # one process fewer to start and to talk through, for each engine the job starts
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
     return env
 
@@ -174,14 +174,22 @@ def test_an_engine_with_plain_weights_takes_each_step_in_place(plain):
     assert result["full"]["verify"] == ["ChecksumError"] and result["full"]["rebased"] and result["full"]["equal"]
 
 
-def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(run, tmp_path, prepacks):
-    result = run("offline", tmp_path, plain=False, dtype=prepacks)
+@pytest.fixture(scope="module")
+def prepacked(run, tmp_path_factory, prepacks) -> dict:
+    """One engine with prepacked weights (TP=1) for the tests of its steps through the layerwise
+    reload and of a reload that raises, which it meets last (vllm_job.reload_fails): one engine
+    start and two fresh ones the fewer."""
+    return run("offline", tmp_path_factory.mktemp("prepacked"), plain=False, dtype=prepacks)
+
+
+def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(prepacked, prepacks):
+    result = prepacked
     assert result["paths"] == PREPACKED_PATHS[prepacks]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
     assert result["prefetched"] == [6] and result["taken"] == [[6]]
 
 
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path, prepacks):
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked, prepacks):
     """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
     device, and the step is loaded again from its base at once, exactly; where that fails too, the
     engine still generates, says it holds no step, and the next update re-syncs it from a base.
@@ -191,8 +199,9 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(run, tmp_path, prepa
     weights is rebuilt from uninitialised memory.  Its NaN (forced here) land in the KV cache, and
     vLLM's CPU attention multiplies a block's unused slots by zero weights, so before the backend
     zeroed the cache at such a re-sync, its log-probs were NaN with exact weights (2 runs of 4).
-    A finalize that raises leaves vLLM's per-layer reload state mid-way: no later reload is run."""
-    result = run("reload-fails", tmp_path, plain=False, dtype=prepacks)
+    A finalize that raises leaves vLLM's per-layer reload state mid-way: no later reload is run.
+    (On the prepacked engine, after its steps: its backend initialised again, no prefetcher.)"""
+    result = prepacked["reload"]
     assert result["paths"] == PREPACKED_PATHS[prepacks]
     assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
     numel = result["once"]["report"]["numel"]

@@ -18,6 +18,7 @@ scenarios that follow this chain share engines where they can:
   plain weights, the issue's forgery (step 7, every weight 7.0, published elsewhere under the run's
   id by two ranks with another key, copied in): the backend, initialised again with
   `trusted_keys`, takes the signed steps 5 and 6 and refuses step 7, keeping step 6's weights.
+  Prepacked at TP=1, the same engine then meets the reload's failures (below, `reload_fails`).
 * probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
   through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
 * probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
@@ -26,12 +27,12 @@ scenarios that follow this chain share engines where they can:
 * mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
   (in place elsewhere), every parameter and buffer of every worker read back after each step
   beside a fresh engine's.
-* reload-fails (TP=1, prepacked): vLLM's loader raises halfway through the layerwise reload, once
-  (the step is loaded again from its base at once), then in every reload of an update (the engine
-  says it holds no step, still generates, and the next update re-syncs it); and a tensor the model
-  has no parameter for is handed to its loader once only; an engine that held no step computes NaN
-  (into its KV cache), and the re-sync is still exact; vLLM's finalize raises, and no later reload
-  is trusted.
+* offline's reload failures (TP=1, prepacked, last): vLLM's loader raises halfway through the
+  layerwise reload, once (the step is loaded again from its base at once), then in every reload of
+  an update (the engine says it holds no step, still generates, and the next update re-syncs it);
+  and a tensor the model has no parameter for is handed to its loader once only; an engine that
+  held no step computes NaN (into its KV cache), and the re-sync is still exact; vLLM's finalize
+  raises, and no later reload is trusted.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
 (the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test; the engines'
@@ -184,8 +185,9 @@ def logprobs(llm: Any) -> list[Any]:
 def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     """Follow steps 1-6 (TP=1: each compared with a fresh engine; TP=2, whose fresh engines take the
     longest to start: step 2, the one sparse delta written in place into split weights), step 6
-    prefetched, the weight changed behind the backend's back in place; then, plain at TP=1, the
-    forgery on the same engine (`forgery`: an engine start saved)."""
+    prefetched, the weight changed behind the backend's back in place; then, at TP=1, on the same
+    engine (an engine start and its fresh engines saved), the forgery where the weights are plain
+    (`forgery`), and the reload's failures where they are prepacked (`reload_fails`)."""
     from vllm import LLM
 
     from lightning_delta import format as fmt
@@ -249,15 +251,14 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
         result["full"]["equal"] = logprobs(llm) == reference(6)
     if tp == 1 and plain:
         result["forgery"] = forgery(llm, work, {5: reference(5), 6: reference(6)})
+    if tp == 1 and not plain:
+        result["reload"] = reload_fails(llm, work, {1: reference(1), 2: reference(2)})
     return result
 
 
-def reload_fails(work: str) -> dict[str, Any]:
-    from vllm import LLM
-
-    extra = {"distributed_executor_backend": "uni"}
-    fresh = {s: logprobs(LLM(model=f"{work}/step-{s}", **ENGINE, **extra)) for s in (1, 2)}
-    llm = LLM(model=f"{work}/model", weight_transfer_config={"backend": "lightning_delta"}, **ENGINE, **extra)
+def reload_fails(llm: Any, work: str, fresh: dict[int, list[Any]]) -> dict[str, Any]:
+    """The prepacked engine of `offline`, last (every failure here is induced): its backend
+    initialised again without a prefetcher; `fresh` holds fresh engines' log-probs of steps 1 and 2."""
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "errors": {}}
     llm.collective_rpc(_count_untouched)
@@ -912,8 +913,6 @@ def main() -> None:
         result = offline(work, 1, plain)
     elif scenario == "offline-tp2":
         result = offline(work, 2, plain)
-    elif scenario == "reload-fails":
-        result = reload_fails(work)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     with open(f"{work}/result.json", "w") as f:
