@@ -33,6 +33,14 @@ from tinylm import TinyLM  # noqa: E402
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-vLLM tests first.  CI runs the suite on two workers (`pytest -n 2 --dist loadfile`:
+    a file's tests share a worker, and its module fixtures, such as the chains the vLLM scenarios
+    copy); test_vllm.py is half of the suite's time, so one worker starts it at once while the other
+    takes every other file, where collected last it would run alone at the end."""
+    items.sort(key=lambda item: item.path.name != "test_vllm.py")  # stable: otherwise in collection order
+
+
 def needs(*packages: str) -> None:
     """At the top of a test module that needs packages of the `test` extra: skip the module where
     one is missing (a partial local install), but fail it where `CI` is set, since CI installs the
