@@ -756,14 +756,24 @@ def mirror_setups(tmp: Path, pristine: Path) -> list[tuple[Path, Path]]:
 
 def damage_mirror(rng: random.Random, root: Path, foreign: Path, base: int) -> str:
     """One random act of damage at a mirror's destination, where its restart reads (`cutoff`): the
-    other run's manifest in place of its own, or `damage` on the manifest and the objects of the
-    steps from its newest base `base` on (earlier acts' objects too), a part copied, or the other
-    run's part, at a step from that base on (one the mirror lacks too)."""
-    if rng.random() < 0.1:
+    other run's manifest in place of its own; a marker of a step from its newest base `base` on
+    removed, its blob torn or not (the mirror killed between them); or `damage` on the manifest and
+    the objects of the steps from that base on (earlier acts' objects too), a part copied, or the
+    other run's part, at a step from that base on (one the mirror lacks too)."""
+    roll = rng.random()
+    if roll < 0.1:
         shutil.copyfile(foreign / fmt.RUN_MANIFEST, root / fmt.RUN_MANIFEST)
         return "foreign manifest"
     folders = tuple(fmt.step_dir(s) + "/" for s in range(base, _STEPS + 1))
     reads = [root / key for key in _tree(root) if key == fmt.RUN_MANIFEST or key.startswith(folders)]
+    if roll < 0.3:  # killed between a blob and its marker: the marker gone, the blob torn or whole
+        marker = rng.choice([p for p in reads if p.suffix == ".commit"])
+        marker.unlink()
+        blob = marker.with_suffix("")
+        if rng.random() < 0.5 and blob.is_file():
+            data = blob.read_bytes()
+            blob.write_bytes(data[: rng.randrange(len(data))])
+        return f"killed before {marker.relative_to(root)}"
     return damage(rng, root, foreign, objects=reads, first=base)
 
 
@@ -864,7 +874,7 @@ def fuzz_mirror(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[
             for _ in range(rng.randint(1, 3)):
                 try:  # at every setup's newest base, 5 (`mirror_setups` checks)
                     acts.append(damage_mirror(rng, root, foreign, 5))
-                except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, DeltaError):
+                except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error, DeltaError):
                     acts.append("nothing to damage")  # earlier damage left nothing to act on
             settings = MirrorSettings(keep_bases=rng.choice([None, None, 1, 2]), list_seconds=rng.choice([1e-9, 30.0]))
             outcome, detail = _judge(partial(_mirror_case, source, root, truth, published, settings), expected, limit)
