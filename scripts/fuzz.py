@@ -5,11 +5,16 @@
     python scripts/fuzz.py store --signed --trials 10000    # signed chains, loaded with the trainer's key
     python scripts/fuzz.py codec --engine atheris           # coverage-guided (pip install atheris)
     python scripts/fuzz.py kernels --cases 10000 --seed 0   # SPARSE payloads through the device walk
+    python scripts/fuzz.py mirror --trials 1000 --seed 0    # a mirror restarted on its damaged copy
 
 Each case ends in one of these outcomes:
 
-* refused: a `DeltaError` (the promise);
-* exact: the bytes the trainer held (a mutation the format does not see, say a padding bit);
+* refused: a `DeltaError` (the promise; mirror: a pass raised one);
+* exact: the bytes the trainer held (a mutation the format does not see, say a padding bit;
+  mirror: the restarted mirror serves the source's newest step exactly);
+* held (mirror): no pass raised, every step it lists exact or refused, but the newest step not
+  served (it stopped at damage its restart read, passed a step over for good, or the newest step
+  needs an object damaged at the mirror);
 * caught: a payload that decodes to other values whose checksum differs (codec target only:
   the loader refuses it, `test_reliability` shows how);
 * walked (kernels): applied by the device walk (`device_walk`, Triton; on the CPU under
@@ -21,13 +26,18 @@ Each case ends in one of these outcomes:
   one piece, or the other way round, or gives other values -- must never happen;
 * wrong: other values that pass (codec: a checksum collision; store: weights handed out that
   are not the trainer's; signed store: a step loaded whose run, manifest or markers are not the
-  trainer's signed ones) -- must never happen;
+  trainer's signed ones; mirror: an object written that is not the trainer's, a marker written
+  beside a blob that is not, a delta completed whose previous step the mirror does not list, or a
+  step served with other weights) -- must never happen;
+* broken (mirror): a step listed at the mirror refused although every object it needs there is
+  the trainer's -- must never happen;
 * other: any other exception type -- must never happen;
 * bomb: peak memory over 4x the expected output plus 64 MiB -- must never happen;
 * hang: a case over `--limit` seconds -- must never happen.
 
 Random structured mutation needs nothing beyond the project; the default engine is reproducible
-from `--seed`.  `tests/test_fuzz.py` runs a bounded, seeded slice of both targets in CI.
+from `--seed`.  `tests/test_fuzz.py` runs a bounded, seeded slice of the codec, store and mirror
+targets in CI.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ from lightning_delta import (
     DeltaPublisher,
     FormatError,
     LoaderSettings,
+    Mirror,
+    MirrorSettings,
     PublisherSettings,
     Store,
     codec,
@@ -71,10 +83,10 @@ from lightning_delta import (
 )
 from lightning_delta import format as fmt
 from lightning_delta.checksum import checksum, checksum_at
-from lightning_delta.retention import collect
+from lightning_delta.retention import collect, cutoff
 from lightning_delta.signing import keygen
 
-FAILURES = ("wrong", "split", "other", "bomb", "hang")
+FAILURES = ("wrong", "split", "broken", "other", "bomb", "hang")
 _SLACK = 64 << 20
 _MASK64 = (1 << 64) - 1
 
@@ -477,10 +489,18 @@ def _hostile_json(rng: random.Random) -> object:
     )
 
 
-def damage(rng: random.Random, root: Path, foreign: Path, signed: bool = False) -> str:
+def damage(
+    rng: random.Random,
+    root: Path,
+    foreign: Path,
+    signed: bool = False,
+    objects: list[Path] | None = None,
+    first: int = 1,
+) -> str:
     """One random act of damage on the store at `root` (of a signed chain: signatures too);
-    returns what it did."""
-    objects = _objects(root)
+    returns what it did.  `objects`: those it may act on (default: all); `first`: the first step
+    a part is copied to."""
+    objects = _objects(root) if objects is None else objects
     parts = [p for p in objects if p.name.endswith(".ldelta")]
     target = rng.choice(objects)
     kind = rng.randrange(12 if signed else 10)
@@ -543,7 +563,7 @@ def damage(rng: random.Random, root: Path, foreign: Path, signed: bool = False) 
         return "stray names"
     if kind == 7:  # a part and its marker copied to another step
         part = rng.choice(parts)
-        step = rng.randint(1, _STEPS)
+        step = rng.randint(first, _STEPS)
         dest = root / fmt.blob_path(step, 0, 1)
         if dest == part:
             return "copy onto itself (nothing)"
@@ -552,7 +572,7 @@ def damage(rng: random.Random, root: Path, foreign: Path, signed: bool = False) 
         shutil.copyfile(f"{part}.commit", f"{dest}.commit")
         return f"copy {part.parent.name} to {step}"
     if kind == 8:  # a part of another run with the same layout
-        step = rng.randint(1, _STEPS)
+        step = rng.randint(first, _STEPS)
         for suffix in ("", ".commit"):
             source = foreign / (fmt.blob_path(step, 0, 1) + suffix)
             dest = root / (fmt.blob_path(step, 0, 1) + suffix)
@@ -690,14 +710,188 @@ def fuzz_store(
     return counts
 
 
+# ----------------------------------------------------------------------------- mirror target
+
+_MIRRORED = 6
+"""The newest step a mirror held when it stopped (its newest base: 5); the source went on to `_STEPS`."""
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every object under `root`, by its key."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in _objects(root)}
+
+
+def mirror_setups(tmp: Path, pristine: Path) -> list[tuple[Path, Path]]:
+    """(source, mirror) pairs: a mirror that copied the chain at `pristine` up to step `_MIRRORED`
+    and stopped, and the source it restarts from, which went on to `_STEPS`.  Caught up; passed
+    over (step 3's blob damaged at the source: the mirror holds 1, 2 and base 5 on, and must never
+    copy it); came late (step 3's marker reached the source after the mirror stopped: restarted,
+    the mirror copies it below its newest base)."""
+    setups, published = [], _tree(pristine)
+    for name, holds in (
+        ("caught-up", [1, 2, 3, 4, 5, 6]),
+        ("passed-over", [1, 2, 5, 6]),
+        ("came-late", [1, 2, 4, 5, 6]),
+    ):
+        source, early, mirror = (tmp / f"{name}-{what}" for what in ("source", "early", "mirror"))
+        shutil.copytree(pristine, source)
+        if name == "passed-over":
+            blob = source / fmt.blob_path(3, 0, 1)
+            blob.write_bytes(blob.read_bytes()[:-1])
+        shutil.copytree(source, early)
+        for step in range(_MIRRORED + 1, _STEPS + 1):
+            shutil.rmtree(early / fmt.step_dir(step))
+        if name == "came-late":
+            (early / fmt.commit_path(3, 0, 1)).unlink()
+        with Mirror(str(early), str(mirror)) as m:
+            m.sync()
+        shutil.rmtree(early)
+        listed = DeltaLoader(str(mirror)).steps()
+        copied = _tree(mirror).items()
+        if listed != holds or cutoff(Store(str(mirror)), 1) != 5 or any(published.get(k) != v for k, v in copied):
+            raise AssertionError(f"the {name} mirror is not a copy of steps {holds} (newest base 5)")
+        setups.append((source, mirror))
+    return setups
+
+
+def damage_mirror(rng: random.Random, root: Path, foreign: Path, base: int) -> str:
+    """One random act of damage at a mirror's destination, where its restart reads (`cutoff`): the
+    other run's manifest in place of its own; a marker of a step from its newest base `base` on
+    removed, its blob torn or not (the mirror killed between them); or `damage` on the manifest and
+    the objects of the steps from that base on (earlier acts' objects too), a part copied, or the
+    other run's part, at a step from that base on (one the mirror lacks too)."""
+    roll = rng.random()
+    if roll < 0.1:
+        shutil.copyfile(foreign / fmt.RUN_MANIFEST, root / fmt.RUN_MANIFEST)
+        return "foreign manifest"
+    folders = tuple(fmt.step_dir(s) + "/" for s in range(base, _STEPS + 1))
+    reads = [root / key for key in _tree(root) if key == fmt.RUN_MANIFEST or key.startswith(folders)]
+    if roll < 0.3:  # killed between a blob and its marker: the marker gone, the blob torn or whole
+        marker = rng.choice([p for p in reads if p.suffix == ".commit"])
+        marker.unlink()
+        blob = marker.with_suffix("")
+        if rng.random() < 0.5 and blob.is_file():
+            data = blob.read_bytes()
+            blob.write_bytes(data[: rng.randrange(len(data))])
+        return f"killed before {marker.relative_to(root)}"
+    return damage(rng, root, foreign, objects=reads, first=base)
+
+
+def _sound(tree: dict[str, bytes], pristine: dict[str, bytes], step: int) -> bool:
+    """Whether every object `step` needs at the mirror is the trainer's: the manifest, and each
+    step's objects from its base on exactly those the trainer published."""
+    if tree.get(fmt.RUN_MANIFEST) != pristine[fmt.RUN_MANIFEST]:
+        return False
+    for needed in range(step - (step - 1) % _BASE_EVERY, step + 1):
+        folder = fmt.step_dir(needed) + "/"
+        if {k: v for k, v in tree.items() if k.startswith(folder)} != {
+            k: v for k, v in pristine.items() if k.startswith(folder)
+        }:
+            return False
+    return True
+
+
+def _wrote_wrong(root: Path, before: dict[str, bytes], after: dict[str, bytes], pristine: dict[str, bytes]) -> bool:
+    """Whether a mirror's passes wrote at `root` what the trainer did not publish, committed a blob
+    there that is not the trainer's, or completed a delta whose previous step it does not list
+    (whose marker's name is not there: damage in its place is the loader's to refuse)."""
+    for key, data in after.items():
+        if before.get(key) == data:
+            continue
+        if pristine.get(key) != data:
+            return True  # an object written that is not the trainer's
+        if key.endswith(".commit"):
+            blob = key.removesuffix(".commit")
+            if after.get(blob) != pristine[blob]:
+                return True  # a marker that commits another blob
+            marker = fmt.decode_commit(data)
+            if ".bridge" not in key and marker.kind == fmt.Kind.DELTA:
+                assert marker.prev_step is not None
+                if not (root / fmt.commit_path(marker.prev_step, 0, 1)).exists():
+                    return True  # a step listed that no reader can reach
+    return False
+
+
+def _mirror_case(source: Path, root: Path, truth: dict, pristine: dict[str, bytes], settings: MirrorSettings) -> str:
+    """A mirror restarted on its damaged destination `root`: two passes (each may raise a
+    `DeltaError`), then what they wrote is checked (`_wrote_wrong`), and every step the mirror
+    lists must load exactly or raise a `DeltaError`, exactly where all it needs there is the trainer's."""
+    before = _tree(root)
+    refused = False
+    with Mirror(str(source), str(root), settings) as mirror:
+        for _ in range(2):
+            try:
+                mirror.sync()
+            except DeltaError:
+                refused = True
+    after = _tree(root)
+    if _wrote_wrong(root, before, after, pristine):
+        return "wrong"
+    served = set()
+    try:
+        loader = DeltaLoader(str(root))
+        listed = loader.steps()
+    except DeltaError:
+        listed = []
+    for step in listed:
+        try:
+            got, state = loader.state_dict(step)
+        except DeltaError:
+            if _sound(after, pristine, step):
+                return "broken"
+            continue
+        expected = truth.get(step)
+        if got != step or expected is None or state.keys() != expected.keys():
+            return "wrong"
+        if not all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in expected.items()):
+            return "wrong"
+        served.add(step)
+    if refused:
+        return "refused"
+    return "exact" if _STEPS in served else "held"
+
+
+def fuzz_mirror(trials: int, seed: int = 0, limit: float = 60.0, log: Callable[[str], None] | None = None) -> Counter:
+    """Damage a stopped mirror's destination where its restart reads `trials` times (one to three
+    acts), restart it on each (with or without `keep_bases`, passes listing or by names) and judge
+    it (`_mirror_case`); returns outcome counts."""
+    rng = random.Random(seed)
+    counts: Counter = Counter()
+    logging.getLogger("lightning_delta").setLevel(logging.CRITICAL)  # damage is logged, by design
+    with tempfile.TemporaryDirectory() as tmp:
+        pristine, foreign = Path(tmp, "pristine"), Path(tmp, "foreign")
+        truth = build_chain(str(pristine), seed)
+        build_chain(str(foreign), seed)  # same bytes, another run id
+        published = _tree(pristine)
+        setups = mirror_setups(Path(tmp), pristine)
+        expected = sum(t.numel() * 2 for t in truth[1].values())
+        for trial in range(trials):
+            source, stopped = rng.choice(setups)
+            root = Path(tmp, "trial")
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(stopped, root)
+            acts = []
+            for _ in range(rng.randint(1, 3)):
+                try:  # at every setup's newest base, 5 (`mirror_setups` checks)
+                    acts.append(damage_mirror(rng, root, foreign, 5))
+                except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error, DeltaError):
+                    acts.append("nothing to damage")  # earlier damage left nothing to act on
+            settings = MirrorSettings(keep_bases=rng.choice([None, None, 1, 2]), list_seconds=rng.choice([1e-9, 30.0]))
+            outcome, detail = _judge(partial(_mirror_case, source, root, truth, published, settings), expected, limit)
+            counts[outcome] += 1
+            if outcome in FAILURES and log:
+                log(f"trial {trial} (seed {seed}): {outcome} after {acts} on {source.name}, {settings}\n{detail}")
+    return counts
+
+
 # ----------------------------------------------------------------------------- command line
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("target", choices=["codec", "kernels", "store"])
+    p.add_argument("target", choices=["codec", "kernels", "store", "mirror"])
     p.add_argument("--cases", type=int, default=100_000, help="codec cases")
-    p.add_argument("--trials", type=int, default=1_000, help="store trials")
+    p.add_argument("--trials", type=int, default=1_000, help="store and mirror trials")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=float, default=30.0, help="seconds before a case counts as a hang")
     p.add_argument("--engine", choices=["random", "atheris"], default="random")
@@ -713,13 +907,15 @@ def main() -> int:
         counts = fuzz_codec(args.cases, args.seed, args.limit, logging_sink)
     elif args.target == "kernels":
         counts = fuzz_kernels(args.cases, args.seed, args.limit, logging_sink)
+    elif args.target == "mirror":
+        counts = fuzz_mirror(args.trials, args.seed, args.limit, logging_sink)
     else:
         counts = fuzz_store(args.trials, args.seed, args.limit, logging_sink, signed=args.signed)
     total = sum(counts.values())
     print(f"{args.target}: {total} cases, seed {args.seed}, {time.perf_counter() - started:.0f} s")
     if args.target == "kernels":
         print(f"  {'kernel':14} {counts['walked'] + counts['kernel refused']:>10}  (reached the kernels)")
-    for outcome in ("refused", "exact", "caught", "walked", "kernel refused", "skipped", *FAILURES):
+    for outcome in ("refused", "exact", "held", "caught", "walked", "kernel refused", "skipped", *FAILURES):
         print(f"  {outcome:14} {counts[outcome]:>10}")
     return 1 if any(counts[f] for f in FAILURES) else 0
 

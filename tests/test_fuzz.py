@@ -28,6 +28,15 @@ def test_damaged_signed_stores_with_their_key_give_exact_weights_or_a_delta_erro
     assert counts["refused"] > 30 and counts["exact"] > 30, counts
 
 
+def test_a_mirror_restarted_on_its_damaged_copy_writes_and_serves_only_the_trainers_steps():
+    """#39: a restarted mirror reads its own destination (its newest base's markers, `cutoff`, and
+    the manifest); damaged there, it writes only the trainer's objects, completes no step without
+    the one before it, and every step it lists loads exactly or raises a `DeltaError`."""
+    counts = fuzz.fuzz_mirror(14, seed=2)
+    assert not any(counts[f] for f in fuzz.FAILURES), counts
+    assert counts["refused"] > 4 and counts["exact"] > 2 and counts["held"] > 0, counts
+
+
 def test_the_signature_mutator_is_refused_with_keys(tmp_path):
     """Each signature-field mutation of a signed chain is refused by a trusting loader (or leaves
     the object as it was: a donor's signature may be the victim's own)."""
