@@ -202,9 +202,13 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked, prepacks)
     A finalize that raises leaves vLLM's per-layer reload state mid-way: no later reload is run.
     (On the prepacked engine, after its steps: its backend initialised again, no prefetcher.)"""
     result = prepacked["reload"]
+    assert "crashed" not in result, result["crashed"]
     assert result["paths"] == PREPACKED_PATHS[prepacks]
     assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
     numel = result["once"]["report"]["numel"]
+    # initialised again on the engine the prepacked test used: it starts holding nothing, so step 1 is
+    # a whole write from its base, not step 6's report carried over
+    assert result["first"]["report"]["step"] == 1 and result["first"]["report"]["changed"] == numel
     assert result["once"]["report"]["changed"] == numel  # re-synced from the base
     assert "the loader failed halfway" in result["errors"]["always"]
     assert result["always"]["report"]["step"] is None and result["always"]["logprobs"][0]  # it still generates
