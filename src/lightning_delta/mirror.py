@@ -105,8 +105,12 @@ class MirrorSettings:
     marker is) until the marker is read and checks it."""
     missing_after: float = 120.0
     """Seconds a blob whose marker the source holds may stay missing (a replicated source that has
-    not received it yet) before it counts as damage, as for followers (`FollowSettings.missing_after`):
-    until then the mirror waits at its step; after, it treats the step as damaged."""
+    not received it yet) before it counts as damage: until then the mirror waits at its step; after,
+    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts only
+    while the mirror stands still: from the first pass that finds it missing after the pass that last
+    moved the mirror's newest step on (one found missing while the mirror was held at an earlier step
+    counts again from then), so only a mirror held that long calls it lost.  A blob missing below
+    the mirror's newest step (a hole it already serves past) holds nothing back: copied if it comes."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -293,10 +297,14 @@ class Mirror:
         world = self._claim()
         if world is not None:
             now = time.monotonic()
+            newest = max(self._done, default=None)
             if self._listing_due(now):
                 self._list(world, now)
             else:
                 self._probe(world, now)
+            if max(self._done, default=None) != newest:  # the mirror moved on: what it finds missing
+                with self._lock:  # from this pass on counts from then (`MirrorSettings.missing_after`)
+                    self._missing.restart(before=now)
         with self._lock:
             return replace(self.metrics)
 
@@ -354,6 +362,8 @@ class Mirror:
         # one: a mirror that finds every step at its first poll still relays (and a paused trainer's
         # heartbeat stays fresh)
         self._relay_heartbeat(throttled=True)
+        if stopped is None and not copied:  # nothing copied: the mirror stands where it stopped (a step
+            stopped = self._stopped  # asked for by name that is not there is no news of the one held)
         self._stopped = stopped
         self._update(stopped)
 
@@ -590,6 +600,8 @@ class Mirror:
             if stopped.damaged:
                 self._skip_below = max(self._skip_below, self._below)
             stopped = None
+        if stopped is not None and stopped_step < max(self._done, default=0):  # a hole below the steps
+            stopped = None  # the mirror serves: it holds nothing back (copied when it comes, at a listing)
         return stopped, mirrored_base
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
@@ -820,8 +832,6 @@ class Mirror:
             self.metrics.steps_deleted += len(doomed)
 
     def _update(self, stopped: _Stop | None) -> None:
-        if stopped is None:  # nothing missing holds the mirror: the clock forgets (what goes missing
-            self._missing.restart()  # later counts from then)
         source = max(self._known, default=None)
         mirrored = max(self._done, default=None)
         behind = [s for s in self._known if mirrored is None or s > mirrored]
