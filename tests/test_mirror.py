@@ -964,6 +964,33 @@ def test_a_bridge_left_out_is_copied_once_it_heals_while_its_base_is_the_mirrors
     assert_loads(Store(mirror), truth, list(range(1, 11)))
 
 
+def test_a_bridge_that_heals_as_a_newer_base_comes_is_neither_read_nor_copied():
+    """Healed in the listing that copies a newer base, a bridge left out is of no use: not read."""
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), Recording("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    first = fmt.blob_path(4, 0, 1, bridge=True)
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m,
+    ):
+        truth = train(publisher, model, 5)  # bases at 1 and 4, a bridge at 4
+        publisher.flush()
+        good = shared.objects[first]
+        shared.objects[first] = good[:-1]
+        assert m.sync().mirror_step == 5 and first not in mirror.objects
+        for step in (6, 7):  # a base at 7
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        shared.objects[first] = good  # healed as base 7 comes
+        reads = watched.reads[first]
+        assert m.sync().mirror_step == 7
+    assert first not in mirror.objects and watched.reads[first] == reads
+    assert_loads(Store(mirror), truth, list(range(1, 8)))
+
+
 def test_a_blob_at_the_mirror_that_is_not_the_sources_is_refused_and_its_marker_not_written():
     source, mirror = DictObjects(), DictObjects("dict://m")
     publish(source, 3)

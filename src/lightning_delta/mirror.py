@@ -421,8 +421,9 @@ class Mirror:
         for step in complete:
             self._seen.setdefault(step, now)
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
-        self._heal_bridges(set(listed))  # left out at an earlier pass
+        earlier = set(self._left_out)
         stopped, mirrored_base = self._copy(pending, names, complete, world)
+        self._heal_bridges(set(listed), earlier & self._left_out)  # not those a newer base copied made useless
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
         newest = sorted(complete | (self._done & set(listed)))
@@ -623,11 +624,12 @@ class Mirror:
             )
         return None
 
-    def _heal_bridges(self, listed: set[int]) -> None:
-        """Copy a bridge left out as damaged once it is good at the source (its blob, then its
-        marker: it is visible only when its objects are there), while its base is the newest the
-        mirror copied: followers that hold the step before it then read the bridge, not the base."""
-        for part in sorted(self._left_out):
+    def _heal_bridges(self, listed: set[int], parts: set[_Part]) -> None:
+        """Copy `parts`, bridges left out as damaged at an earlier pass, once good at the source (its
+        blob, then its marker: it is visible only when its objects are there), while its base is the
+        newest the mirror copied: followers that hold the step before it then read the bridge, not
+        the base."""
+        for part in sorted(parts):
             if part.step not in listed:  # deleted by the source's retention
                 self._left_out.discard(part)
                 continue
