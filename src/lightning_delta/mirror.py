@@ -423,7 +423,7 @@ class Mirror:
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
         earlier = set(self._left_out)
         stopped, mirrored_base = self._copy(pending, names, complete, world)
-        self._heal_bridges(set(listed), earlier & self._left_out)  # not those a newer base copied made useless
+        self._heal_bridges(earlier & self._left_out)  # not those a newer base copied made useless
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
         newest = sorted(complete | (self._done & set(listed)))
@@ -624,15 +624,12 @@ class Mirror:
             )
         return None
 
-    def _heal_bridges(self, listed: set[int], parts: set[_Part]) -> None:
+    def _heal_bridges(self, parts: set[_Part]) -> None:
         """Copy `parts`, bridges left out as damaged at an earlier pass, once good at the source (its
         blob, then its marker: it is visible only when its objects are there), while its base is the
         newest the mirror copied: followers that hold the step before it then read the bridge, not
         the base."""
-        for part in sorted(parts):
-            if part.step not in listed:  # deleted by the source's retention
-                self._left_out.discard(part)
-                continue
+        for part in sorted(parts):  # one the source deleted is not there: tried until a newer base
             outcome = self._prepare(part, set(self.destination.objects.list(fmt.step_dir(part.step))))
             with self._lock:  # read again at the next try
                 self._markers.pop(part.marker_key, None)
