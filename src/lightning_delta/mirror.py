@@ -29,7 +29,7 @@ once (a damaged one again until it heals).  A damaged source object is never cop
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
 does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
 there on); a damaged bridge is left out, and its base copied without it (and the bridge after
-it, if it heals while that base is the newest copied).  A blob whose marker
+it, if it heals while that base is the newest copied and the mirror has not restarted).  A blob whose marker
 is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
 then it is damage.
 
@@ -237,7 +237,7 @@ class Mirror:
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
-        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again
+        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again (memory only)
         self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
@@ -628,7 +628,7 @@ class Mirror:
         """Copy `parts`, bridges left out as damaged at an earlier pass, once good at the source (its
         blob, then its marker: it is visible only when its objects are there), while its base is the
         newest the mirror copied: followers that hold the step before it then read the bridge, not
-        the base."""
+        the base.  Held in memory only: a restarted mirror does not try them (bandwidth only)."""
         for part in sorted(parts):  # one the source deleted is not there: tried until a newer base
             outcome = self._prepare(part, set(self.destination.objects.list(fmt.step_dir(part.step))))
             with self._lock:  # read again at the next try
