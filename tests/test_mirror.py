@@ -964,6 +964,33 @@ def test_a_bridge_left_out_is_copied_once_it_heals_while_its_base_is_the_mirrors
     assert_loads(Store(mirror), truth, list(range(1, 11)))
 
 
+def test_a_bridge_that_heals_as_a_newer_base_comes_is_neither_read_nor_copied():
+    """Healed in the listing that copies a newer base, a bridge left out is of no use: not read."""
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), Recording("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    first = fmt.blob_path(4, 0, 1, bridge=True)
+    with (
+        DeltaPublisher(Store(shared), model, PublisherSettings(base_every=3)) as publisher,
+        Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m,
+    ):
+        truth = train(publisher, model, 5)  # bases at 1 and 4, a bridge at 4
+        publisher.flush()
+        good = shared.objects[first]
+        shared.objects[first] = good[:-1]
+        assert m.sync().mirror_step == 5 and first not in mirror.objects
+        for step in (6, 7):  # a base at 7
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        shared.objects[first] = good  # healed as base 7 comes
+        reads = watched.reads[first]
+        assert m.sync().mirror_step == 7
+    assert first not in mirror.objects and watched.reads[first] == reads
+    assert_loads(Store(mirror), truth, list(range(1, 8)))
+
+
 def test_a_blob_at_the_mirror_that_is_not_the_sources_is_refused_and_its_marker_not_written():
     source, mirror = DictObjects(), DictObjects("dict://m")
     publish(source, 3)
@@ -1077,6 +1104,59 @@ def test_a_blob_still_missing_after_missing_after_is_damage(monkeypatch, caplog)
     assert_loads(Store(mirror), truth, [1, 2, 5, 6, 7])
 
 
+def test_a_blob_missing_at_a_gap_in_the_step_numbers_is_lost_after_missing_after(monkeypatch):
+    """Steps 3 -> 5 (a gap): the pass by names between listings asks for step 4, finds nothing, and
+    neither forgets how long step 5's blob has been missing nor the stop (one rank; two ranks where
+    one never committed a step are the same case): the mirror passes it over at the next base."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth = {}
+    with DeltaPublisher(Store(shared), model, PublisherSettings(base_every=4)) as publisher:
+        for step in (1, 2, 3, 5, 6, 7, 8, 9):  # bases at 1, 5 and 9
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+    lost = fmt.blob_path(5, 0, 1)
+    watched.hidden.add(lost)
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in range(0, 120, 10):
+            metrics = m.sync()
+            assert metrics.mirror_step == 3 and metrics.stopped_at == f"dict://home/{lost}"
+        clock[0] = 150.0  # lost (at the listing due by now), then passed over from base 7
+        for _ in range(2):
+            metrics = m.sync()
+    assert metrics.mirror_step == 9 and metrics.stopped_at is None
+    assert_loads(Store(mirror), truth, [1, 2, 3, 9])
+
+
+def test_the_missing_clock_restarts_when_the_mirror_moves_on(monkeypatch):
+    """A blob found missing while the mirror is held at an earlier step counts from when the mirror
+    reaches its step, as a follower's does: not lost 21 s after that, lost `missing_after` after."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    truth = publish(shared, 12)  # bases at 1, 5 and 9
+    first, second = fmt.blob_path(3, 0, 1), fmt.blob_path(7, 0, 1)
+    watched.hidden |= {first, second}  # both late, found missing at the first pass
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        assert m.sync().mirror_step == 2
+        clock[0] = 100.0
+        watched.hidden.discard(first)
+        assert m.sync().mirror_step == 6  # held at 7 from now
+        for clock[0] in (121.0, 121.5, 240.0):
+            metrics = m.sync()
+            assert metrics.mirror_step == 6 and metrics.stopped_at == f"dict://home/{second}"
+        clock[0] = 241.0  # missing since the pass at 121 (the first after the one that moved the mirror on)
+        for _ in range(2):
+            metrics = m.sync()
+    assert metrics.mirror_step == 12 and metrics.stopped_at is None
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 6, 9, 10, 11, 12])
+
+
 def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     truth = published_run(src, 7, base_every=4)  # bases at 1 and 5
@@ -1090,7 +1170,8 @@ def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
 
 def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
-    holds: the mirror is not behind, and its lag (what `--follow` shows) does not grow."""
+    holds: the mirror is not behind, its lag (what `--follow` shows) does not grow, and, lost, the
+    blob holds nothing back (no stop, no listing at each pass); it is copied if it comes."""
     clock = [0.0]
     monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
     shared = DictObjects()
@@ -1098,13 +1179,19 @@ def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_neve
     publish(shared, 8, base_every=6)  # bases at 1 and 7
     key = fmt.commit_path(4, 0, 1)
     marker = shared.objects.pop(key)
-    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=30.0)) as m:
         assert m.sync().mirror_step == 8
-        shared.objects[key] = marker  # the marker comes; its blob never does
+        shared.objects[key] = marker  # the marker comes; its blob does not
         watched.hidden.add(fmt.blob_path(4, 0, 1))
-        for clock[0] in (10.0, 25.0):
+        for clock[0] in (40.0, 41.0, 55.0, 200.0, 201.0, 202.0):  # lost from 160 on
             metrics = m.sync()
             assert metrics.mirror_step == 8 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
+            assert metrics.stopped_at is None
+        assert metrics.listings == 3  # every `list_seconds` (at 0, 40, 200), not at each pass
+        watched.hidden.clear()  # it came after all: copied at the next listing
+        clock[0] = 300.0
+        m.sync()
+    assert fmt.blob_path(4, 0, 1) in mirror.objects and mirror.objects[key] == marker
 
 
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():

@@ -33,5 +33,6 @@ class MissingClock:
         now = self.clock()
         return now - self._since.setdefault(err.key, now) >= self.missing_after
 
-    def restart(self) -> None:
-        self._since.clear()
+    def restart(self, before: float | None = None) -> None:
+        """Forget what was found missing before `before` (on `clock`; None: all of it)."""
+        self._since = {} if before is None else {k: t for k, t in self._since.items() if t >= before}

@@ -29,7 +29,7 @@ once (a damaged one again until it heals).  A damaged source object is never cop
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
 does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
 there on); a damaged bridge is left out, and its base copied without it (and the bridge after
-it, if it heals while that base is the newest copied).  A blob whose marker
+it, if it heals while that base is the newest copied and the mirror has not restarted).  A blob whose marker
 is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
 then it is damage.
 
@@ -105,8 +105,12 @@ class MirrorSettings:
     marker is) until the marker is read and checks it."""
     missing_after: float = 120.0
     """Seconds a blob whose marker the source holds may stay missing (a replicated source that has
-    not received it yet) before it counts as damage, as for followers (`FollowSettings.missing_after`):
-    until then the mirror waits at its step; after, it treats the step as damaged."""
+    not received it yet) before it counts as damage: until then the mirror waits at its step; after,
+    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts only
+    while the mirror stands still: from the first pass that finds it missing after the pass that last
+    moved the mirror's newest step on (one found missing while the mirror was held at an earlier step
+    counts again from then), so only a mirror held that long calls it lost.  A blob missing below
+    the mirror's newest step (a hole it already serves past) holds nothing back: copied if it comes."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -233,7 +237,7 @@ class Mirror:
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
-        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again
+        self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again (memory only)
         self._run: fmt.Run | None = None  # the source's run, once its manifest is at the mirror
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
@@ -293,10 +297,14 @@ class Mirror:
         world = self._claim()
         if world is not None:
             now = time.monotonic()
+            newest = max(self._done, default=None)
             if self._listing_due(now):
                 self._list(world, now)
             else:
                 self._probe(world, now)
+            if max(self._done, default=None) != newest:  # the mirror moved on: what it finds missing
+                with self._lock:  # from this pass on counts from then (`MirrorSettings.missing_after`)
+                    self._missing.restart(before=now)
         with self._lock:
             return replace(self.metrics)
 
@@ -354,6 +362,8 @@ class Mirror:
         # one: a mirror that finds every step at its first poll still relays (and a paused trainer's
         # heartbeat stays fresh)
         self._relay_heartbeat(throttled=True)
+        if stopped is None and not copied:  # nothing copied: the mirror stands where it stopped (a step
+            stopped = self._stopped  # asked for by name that is not there is no news of the one held)
         self._stopped = stopped
         self._update(stopped)
 
@@ -411,8 +421,9 @@ class Mirror:
         for step in complete:
             self._seen.setdefault(step, now)
         pending = [s for s in sorted(names) if not self._complete_at_mirror(s, world, s in complete)]
-        self._heal_bridges(set(listed))  # left out at an earlier pass
+        earlier = set(self._left_out)
         stopped, mirrored_base = self._copy(pending, names, complete, world)
+        self._heal_bridges(earlier & self._left_out)  # not those a newer base copied made useless
         self._retain(listed, mirrored_base)
         self._relay_heartbeat()
         newest = sorted(complete | (self._done & set(listed)))
@@ -590,6 +601,8 @@ class Mirror:
             if stopped.damaged:
                 self._skip_below = max(self._skip_below, self._below)
             stopped = None
+        if stopped is not None and stopped_step < max(self._done, default=0):  # a hole below the steps
+            stopped = None  # the mirror serves: it holds nothing back (copied when it comes, at a listing)
         return stopped, mirrored_base
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
@@ -611,14 +624,12 @@ class Mirror:
             )
         return None
 
-    def _heal_bridges(self, listed: set[int]) -> None:
-        """Copy a bridge left out as damaged once it is good at the source (its blob, then its
-        marker: it is visible only when its objects are there), while its base is the newest the
-        mirror copied: followers that hold the step before it then read the bridge, not the base."""
-        for part in sorted(self._left_out):
-            if part.step not in listed:  # deleted by the source's retention
-                self._left_out.discard(part)
-                continue
+    def _heal_bridges(self, parts: set[_Part]) -> None:
+        """Copy `parts`, bridges left out as damaged at an earlier pass, once good at the source (its
+        blob, then its marker: it is visible only when its objects are there), while its base is the
+        newest the mirror copied: followers that hold the step before it then read the bridge, not
+        the base.  Held in memory only: a restarted mirror does not try them (bandwidth only)."""
+        for part in sorted(parts):  # one the source deleted is not there: tried until a newer base
             outcome = self._prepare(part, set(self.destination.objects.list(fmt.step_dir(part.step))))
             with self._lock:  # read again at the next try
                 self._markers.pop(part.marker_key, None)
@@ -820,8 +831,6 @@ class Mirror:
             self.metrics.steps_deleted += len(doomed)
 
     def _update(self, stopped: _Stop | None) -> None:
-        if stopped is None:  # nothing missing holds the mirror: the clock forgets (what goes missing
-            self._missing.restart()  # later counts from then)
         source = max(self._known, default=None)
         mirrored = max(self._done, default=None)
         behind = [s for s in self._known if mirrored is None or s > mirrored]
