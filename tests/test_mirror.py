@@ -1287,3 +1287,65 @@ def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line
     assert main(["mirror", str(tmp_path / "src"), str(tmp_path / "dst"), "--follow"]) == 0
     lags = [line.rsplit("lag ", 1)[1] for line in capsys.readouterr().out.splitlines()]
     assert lags == ["0.0 s", "0.3 s", "1.9 s", "4.1 s", "200.0 s", "270.0 s"]  # doubled, or a minute more
+
+
+def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_through_it(monkeypatch):
+    """Bases 1 and 7, mirrored to 8; step 4's marker comes late and its blob never does, then 10, 11
+    and 12 are published (no 9: only a listing finds 10). The hole holds nothing above 8 back."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    torch.manual_seed(0)
+    model = TinyLM()
+    truth = {}
+    with DeltaPublisher(Store(shared), model, PublisherSettings(base_every=6)) as publisher:
+        for step in range(1, 9):
+            truth[step] = train(None, model, 1, seed=step)[1]
+            publisher.publish(step)
+        publisher.flush()
+        key = fmt.commit_path(4, 0, 1)
+        marker = shared.objects.pop(key)
+        with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+            assert m.sync().mirror_step == 8
+            shared.objects[key] = marker
+            watched.hidden.add(fmt.blob_path(4, 0, 1))
+            for step in (10, 11, 12):
+                truth[step] = train(None, model, 1, seed=step)[1]
+                publisher.publish(step)
+            publisher.flush()
+            clock[0] = 10.0
+            while m.metrics.listings < 3:  # before: held at 8 at every listing, until the next base
+                metrics = m.sync()
+                clock[0] += 10.0
+    assert metrics.mirror_step == 12 and metrics.stopped_at is None
+    for step in (10, 11, 12):  # (5 and 6, copied before 4's marker came, chain through the hole: #40's note)
+        assert_state(DeltaLoader(Store(mirror)).state_dict(step)[1], truth[step])
+
+
+def test_a_pass_that_copies_steps_and_then_raises_moves_the_missing_clock_on(monkeypatch):
+    """As `-k moves_on`, with a store error at the end of the pass that moved the mirror on (the
+    caller passes again): the clock still counts step 7's blob from then, not from the first pass."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    publish(shared, 12)  # bases at 1, 5 and 9
+    first, second = fmt.blob_path(3, 0, 1), fmt.blob_path(7, 0, 1)
+    watched.hidden |= {first, second}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        assert m.sync().mirror_step == 2
+        clock[0] = 100.0
+        watched.hidden.discard(first)
+        relay = m._relay_heartbeat
+
+        def fails_once() -> None:
+            m._relay_heartbeat = relay  # type: ignore[method-assign]
+            raise StoreError("the destination failed once")
+
+        m._relay_heartbeat = fails_once  # type: ignore[method-assign]
+        with pytest.raises(StoreError):
+            m.sync()  # copied 3 to 6, then raised
+        for clock[0] in (121.0, 122.0):
+            metrics = m.sync()
+    assert metrics.mirror_step == 6 and metrics.stopped_at == f"dict://home/{second}"  # before: 7 and 8 passed over

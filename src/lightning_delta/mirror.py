@@ -298,13 +298,15 @@ class Mirror:
         if world is not None:
             now = time.monotonic()
             newest = max(self._done, default=None)
-            if self._listing_due(now):
-                self._list(world, now)
-            else:
-                self._probe(world, now)
-            if max(self._done, default=None) != newest:  # the mirror moved on: what it finds missing
-                with self._lock:  # from this pass on counts from then (`MirrorSettings.missing_after`)
-                    self._missing.restart(before=now)
+            try:
+                if self._listing_due(now):
+                    self._list(world, now)
+                else:
+                    self._probe(world, now)
+            finally:  # a pass that copied steps and then raised moved the mirror on too
+                if max(self._done, default=None) != newest:  # the mirror moved on: what it finds missing
+                    with self._lock:  # from this pass on counts from then (`MirrorSettings.missing_after`)
+                        self._missing.restart(before=now)
         with self._lock:
             return replace(self.metrics)
 
@@ -558,6 +560,7 @@ class Mirror:
         stopped: _Stop | None = None
         stopped_step = 0
         mirrored_base = False
+        newest = max(self._done, default=0)
         for step in pending:
             outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
@@ -569,6 +572,8 @@ class Mirror:
                         "%s: mirroring on from its base %d, which does not need %s", self, self._below, stopped.key
                     )
                 stopped = None
+            if stopped is not None and stopped_step < newest < step:  # a hole below the steps the mirror
+                stopped = None  # serves holds back only those between it and them, which chain through it
             if stopped is not None:
                 if not (stopped.damaged and stop is None and step in complete and _base(ready, world)):
                     continue
