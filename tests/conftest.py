@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-vLLM tests first.  CI runs the suite on two workers (`pytest -n 2 --dist loadfile`:
     a file's tests share a worker, and its module fixtures, such as the chains the vLLM scenarios
     copy); test_vllm.py is half of the suite's time, so one worker starts it at once while the other
-    takes every other file, where collected last it would run alone at the end."""
+    takes every other file, where collected last it would run alone at the end (xdist's own order,
+    the files with the most tests first, is turned off in pyproject: `--no-loadscope-reorder`)."""
     items.sort(key=lambda item: item.path.name != "test_vllm.py")  # stable: otherwise in collection order
 
 
