@@ -96,6 +96,15 @@ def publish(objects: DictObjects, steps: int, base_every: int = 4, keep_bases: i
         return train(publisher, model, steps)
 
 
+def on_a_fake_clock(monkeypatch) -> tuple[list[float], DictObjects, Recording, DictObjects]:
+    """The mirror's clock (`clock[0]`, seconds, set by the test), a home store, the mirror's view of it
+    (`Recording`: hides objects, counts reads) and the mirror's destination."""
+    clock = [0.0]
+    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
+    shared = DictObjects()
+    return clock, shared, Recording("dict://home", shared.objects), DictObjects("dict://m")
+
+
 def assert_loads(store: Store | str, truth: dict, expected: list[int] | None = None) -> list[int]:
     """Every step listed at `store` loads bit-exactly (each from scratch); the steps listed."""
     steps = DeltaLoader(store).steps()
@@ -1039,10 +1048,7 @@ def test_a_mirror_following_retention_never_deletes_past_its_own_newest_base():
 
 
 def test_a_late_blob_holds_the_mirror_at_its_step_which_reports_steps_behind_and_a_growing_lag(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     truth = publish(shared, 7)  # bases at 1 and 5
     late = fmt.blob_path(3, 0, 1)
     watched.hidden.add(late)  # not damage: a replicated bucket that has not received it yet
@@ -1108,10 +1114,7 @@ def test_a_blob_missing_at_a_gap_in_the_step_numbers_is_lost_after_missing_after
     """Steps 3 -> 5 (a gap): the pass by names between listings asks for step 4, finds nothing, and
     neither forgets how long step 5's blob has been missing nor the stop (one rank; two ranks where
     one never committed a step are the same case): the mirror passes it over at the next base."""
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM()
     truth = {}
@@ -1135,10 +1138,7 @@ def test_a_blob_missing_at_a_gap_in_the_step_numbers_is_lost_after_missing_after
 def test_the_missing_clock_restarts_when_the_mirror_moves_on(monkeypatch):
     """A blob found missing while the mirror is held at an earlier step counts from when the mirror
     reaches its step, as a follower's does: not lost 21 s after that, lost `missing_after` after."""
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     truth = publish(shared, 12)  # bases at 1, 5 and 9
     first, second = fmt.blob_path(3, 0, 1), fmt.blob_path(7, 0, 1)
     watched.hidden |= {first, second}  # both late, found missing at the first pass
@@ -1172,10 +1172,7 @@ def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_neve
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
     holds: the mirror is not behind, its lag (what `--follow` shows) does not grow, and, lost, the
     blob holds nothing back (no stop, no listing at each pass); it is copied if it comes."""
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     publish(shared, 8, base_every=6)  # bases at 1 and 7
     key = fmt.commit_path(4, 0, 1)
     marker = shared.objects.pop(key)
@@ -1292,10 +1289,7 @@ def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line
 def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_through_it(monkeypatch):
     """Bases 1 and 7, mirrored to 8; step 4's marker comes late and its blob never does, then 10, 11
     and 12 are published (no 9: only a listing finds 10). The hole holds nothing above 8 back."""
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM()
     truth = {}
@@ -1326,10 +1320,7 @@ def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_throu
 def test_a_pass_that_copies_steps_and_then_raises_moves_the_missing_clock_on(monkeypatch):
     """As `-k moves_on`, with a store error at the end of the pass that moved the mirror on (the
     caller passes again): the clock still counts step 7's blob from then, not from the first pass."""
-    clock = [0.0]
-    monkeypatch.setattr(mirror_module.time, "monotonic", lambda: clock[0])
-    shared = DictObjects()
-    watched, mirror = Recording("dict://home", shared.objects), DictObjects("dict://m")
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     publish(shared, 12)  # bases at 1, 5 and 9
     first, second = fmt.blob_path(3, 0, 1), fmt.blob_path(7, 0, 1)
     watched.hidden |= {first, second}
