@@ -8,15 +8,20 @@ half of the objects, and follow the chain together.  Then each binds a module of
 (`modules`): a patch worker 1 cannot reproduce from its module is refused by both workers before
 either writes, and both follow with the same catch-up decisions although worker 1 lists fewer
 steps.  Each writes OUT/rank-R.json: what it fetched, and whether every tensor it rebuilt equals
-its own trainer state bit for bit.  Last, one value of step 7 is forged (tests/forge.py) and both
-workers must refuse it by the trainer's checksum.
+its own trainer state bit for bit.  Then both follow past a hole (`hole`): trainer rank 1's blob
+of step 3 is not there yet, once until it comes, once until `missing_after`.  Last, one value of
+step 7 is forged (tests/forge.py) and both workers must refuse it by the trainer's checksum.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +39,9 @@ from lightning_delta import (
     Store,
     StoreError,
 )
+from lightning_delta import follow as follow_module
 from lightning_delta import format as fmt
+from lightning_delta.incomplete import MissingClock
 from lightning_delta.objects import FsspecObjects
 from lightning_delta.shards import named_tensors
 from tinylm import TinyLM
@@ -57,13 +64,17 @@ class Unreachable(FsspecObjects):
         return super().get(key, start, end)
 
 
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+class Logged(logging.Handler):
+    """The messages logged at `level` (WARNING) or above, and their levels, as they come."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.messages: list[str] = []
+        self.levels: list[int] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+        self.levels.append(record.levelno)
 
 
 def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -73,7 +84,7 @@ def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) -> dict:
     """Module-bound workers of one replica: refusal before any write, then shared catch-up."""
     report: dict = {}
-    warnings = Warnings()
+    warnings = Logged()
     logging.getLogger("lightning_delta").addHandler(warnings)
     objects = Unreachable(store)
     loader = DeltaLoader(Store(objects), LoaderSettings(full_check=FullCheck.ON_DEMAND), process_group=dist.group.WORLD)
@@ -127,6 +138,69 @@ def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) ->
     return report
 
 
+class Filling(FsspecObjects):
+    """The chain as a store that fills out of order shows it: `hole` is not there before the
+    `back`-th listing of the steps (None: never); at each listing, the bytes read before it, the
+    keys read since the previous one and the step `held()` says the follower holds."""
+
+    def __init__(self, url: str, hole: str, back: int | None) -> None:
+        super().__init__(url)
+        self.hole, self.back = hole, back
+        self.polls: list[tuple[int, list[str], int | None]] = []
+        self.keys: list[str] = []
+        self.held: Callable[[], int | None] = lambda: None
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        if key == self.hole and (self.back is None or len(self.polls) < self.back):
+            return None
+        self.keys.append(key)
+        return super().get(key, start, end)
+
+    def list(self, key: str) -> list[str]:
+        if key == "steps":
+            self.polls.append((self.bytes_read, self.keys, self.held()))
+            self.keys = []
+        return super().list(key)
+
+
+def hole(store: str, truth: dict[int, dict[str, torch.Tensor]], back: int | None, bound: float) -> dict:
+    """A fresh replica follower holding step 2 while trainer rank 1's blob of step 3, which worker 1
+    alone fetches, is not there yet, and steps 3 to 7 (each chaining through 3) are listed: only
+    worker 1 meets the miss (worker 0 raises its message, which names no step).  The missing clock
+    counts listings of the steps; `bound` is this worker's `missing_after` in listings (group rank
+    0's verdict counts), and the blob comes at the `back`-th listing.  What the first `next()`
+    handed out, the step held at the first 7 listings, the keys and bytes read between them, the
+    steps logged as not complete yet, and the warnings."""
+    started = time.monotonic()
+    objects = Filling(store, fmt.blob_path(3, 1, 2), back)
+    follow_module.MissingClock = lambda after: MissingClock(after, clock=lambda: len(objects.polls))  # type: ignore[assignment,misc]
+    said, follows = Logged(logging.DEBUG), logging.getLogger("lightning_delta.follow")
+    logging.getLogger("lightning_delta").addHandler(said)
+    level = follows.level
+    follows.setLevel(logging.DEBUG)
+    loader = DeltaLoader(Store(objects), process_group=dist.group.WORLD)
+    loader.state_dict(2)
+    objects.held, objects.polls[:] = lambda: loader.held_step, []
+    follower = loader.follow(FollowSettings(poll_seconds=0.001, timeout=60, missing_after=bound))  # timeout: a lost run
+    try:
+        followed = next(follower)
+    finally:
+        follower.close()
+        follows.setLevel(level)
+        logging.getLogger("lightning_delta").removeHandler(said)
+        follow_module.MissingClock = MissingClock  # type: ignore[misc]
+    polls = objects.polls[:7]
+    return {
+        "handed": [followed.step, list(followed.skipped), followed.report.parts_read],
+        "exact": exact(followed.tensors, truth[followed.step]),
+        "held": [held for _, _, held in polls],
+        "read": [[b - a, keys] for (a, _, _), (b, keys, _) in itertools.pairwise(polls)],
+        "not_yet": [int(m[1]) for m in map(re.compile(r"step (\d+) is not complete yet").match, said.messages) if m],
+        "warnings": [m for m, level in zip(said.messages, said.levels, strict=True) if level >= logging.WARNING],
+        "seconds": time.monotonic() - started,
+    }
+
+
 def forged(store: str, rank: int) -> list[str]:
     """One value of trainer rank 0's part of step 7 changed under a re-signed marker
     (tests/forge.py): both workers raise the trainer's checksum's error, whichever decoded it."""
@@ -178,6 +252,10 @@ def main() -> None:
         report["followed_exact"].append(exact(followed.tensors, truth[followed.step]))
         break
     report["modules"] = modules(store, truth, rank)
+    # the blob comes at the 7th listing (worker 1 alone would call it lost at once); then it never
+    # comes, and worker 0's bound is 6 listings (worker 1 alone would wait 1000)
+    report["back"] = hole(store, truth, 7, 1000.0 if rank == 0 else 0.0)
+    report["bound"] = hole(store, truth, None, 6.0 if rank == 0 else 1000.0)
     report["forged"] = forged(store, rank)
     jobs.report(out, rank, report)
 

@@ -358,3 +358,29 @@ def test_a_mirror_asks_for_one_ranks_objects_until_a_two_rank_step_comes(store_c
         assert {fmt.commit_path(21, 0, 2), fmt.commit_path(21, 1, 2)} <= set(asked)
     state = DeltaLoader(mirror).state_dict(21)[1]
     assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, 21).items())
+
+
+@pytest.mark.parametrize("case", ["back", "bound"])
+def test_a_replica_past_a_hole_reads_each_poll_one_try_on_each_worker_and_stays_in_step(replica_run, case):
+    """Held 2, trainer rank 1's blob of step 3 (worker 1's share) not there yet, 3 to 7 listed: worker
+    1 names step 3, worker 0 (which has only its message) step 7, and both take the oldest, so each
+    poll tries 7 once and then nothing newer than 3 (with the newest, or without the exchange, both
+    would try 6, 5, 4 and 3 too, and read their blobs again).  Neither hands out a step or warns
+    until the blob comes ("back": 7 through 3) or worker 0's bound passes ("bound": said once, 7
+    rebuilt from the base at 5); the other worker's bound (0, then 1000) changes nothing."""
+    for rank, report in enumerate(r[case] for r in replica_run):
+        markers = [fmt.commit_path(s, rank, 2) for s in range(3, 8)] + [fmt.commit_path(5, rank, 2, bridge=True)]
+        blobs = [fmt.blob_path(s, rank, 2, bridge=s == 5) for s in range(3, 8) if (s, rank) != (3, 1)]
+        one_try = sorted(markers + blobs)  # each object of the path from 2 to 7 this worker fetches, once
+        reads = [sorted(keys) for _, keys in report["read"]]
+        assert reads == [one_try, []] * 3, (rank, report["read"])
+        sizes = [size for size, _ in report["read"]]
+        assert sizes == [sizes[0], 0] * 3 and sizes[0] > 0
+        assert report["held"] == [2] * 7 and report["not_yet"] == [7, 7, 7]  # the same outcome, each poll
+        assert report["exact"]
+        if case == "back":
+            assert report["handed"] == [7, [], 5] and report["warnings"] == []  # the deltas 3, 4, 5, 6, 7
+        else:
+            assert report["handed"] == [7, [], 3]  # the base at 5, then 6 and 7
+            [warning] = report["warnings"]
+            assert "step 7 does not rebuild from the step held" in warning and fmt.blob_path(3, 1, 2) in warning
