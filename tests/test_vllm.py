@@ -30,16 +30,16 @@ APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3
 
 
 BUILT = {
-    "offline": "chain",
-    "prepacked": "chain",
-    "offline-tp2": "chain",
-    "probe": "probe",
-    "probe-serve": "probe",
-    "mla": "mla",
-    "mla-tp2": "mla",
+    "offline": ("chain",),
+    "prepacked": ("chain", "probe"),
+    "offline-tp2": ("chain",),
+    "probe-serve": ("probe",),
+    "mla": ("mla",),
+    "mla-tp2": ("mla",),
 }
-"""The chain each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
-bytes every time) and copied into each test's folder; sleep publishes as it goes."""
+"""The chains each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
+bytes every time) and copied into each test's folder (the second, the probe's, into its folder
+`probe`); sleep publishes as it goes."""
 
 
 def env_for(*, plain: bool, tp: int) -> dict[str, str]:
@@ -70,18 +70,17 @@ def job(scenario: str, work: Path, env: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Callable[..., dict]:
-    """`run(scenario, work, plain=..., tp=...)`: the scenario's result, its chain copied in from the
-    module's build of it."""
+    """`run(scenario, work, plain=..., tp=...)`: the scenario's result, its chains copied in from the
+    module's builds of them."""
     built: dict[str, Path] = {}
 
     def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
-        kind = BUILT.get(scenario)
-        if kind is not None:
+        for kind in BUILT.get(scenario, ()):
             if kind not in built:
                 folder = tmp_path_factory.mktemp(f"built-{kind}")
                 job(f"build-{kind}", folder, env_for(plain=plain, tp=1))
                 built[kind] = folder
-            shutil.copytree(built[kind], work, dirs_exist_ok=True)
+            shutil.copytree(built[kind], work if kind == BUILT[scenario][0] else work / kind, dirs_exist_ok=True)
         job(scenario, work, env_for(plain=plain, tp=tp))
         return json.loads((work / "result.json").read_text())
 
@@ -94,14 +93,6 @@ PREPACKED_PATHS = {
 }
 """`paths` of a prepacked engine of the bf16 chain, by the engine's dtype (vllm_job.prepacked_dtype
 picks it in the scenario's own process)."""
-
-
-def prepacked_run(result: dict) -> dict:
-    """A scenario's result on prepacked linear weights, skipped where vLLM prepacks neither bf16 nor
-    fp32 ones on this CPU (the job then starts no engine and says so)."""
-    if "skipped" in result:
-        pytest.skip(result["skipped"])
-    return result
 
 
 def assert_followed(result: dict, compared: set[int]) -> None:
@@ -160,9 +151,14 @@ def test_an_engine_with_plain_weights_takes_each_step_in_place(plain):
 @pytest.fixture(scope="module")
 def prepacked(run, tmp_path_factory) -> dict:
     """One engine with prepacked weights (TP=1, its dtype picked in the job: vllm_job.prepacked_dtype)
-    for the tests of its steps through the layerwise reload and of a reload that raises, which it
-    meets last (vllm_job.reload_fails): one engine start and two fresh ones the fewer."""
-    return prepacked_run(run("prepacked", tmp_path_factory.mktemp("prepacked"), plain=False))
+    for the tests of its steps through the layerwise reload, of the probe and of a reload that
+    raises, which it meets last (vllm_job.probe, vllm_job.reload_fails): two engine starts and two
+    fresh ones the fewer.  Skipped where vLLM prepacks neither bf16 nor fp32 linear weights on this
+    CPU (the job then starts no engine and says so)."""
+    result = run("prepacked", tmp_path_factory.mktemp("prepacked"), plain=False)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    return result
 
 
 def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(prepacked):
@@ -281,13 +277,15 @@ def test_an_engine_with_trusted_keys_refuses_the_forgery(plain):
     assert result["equal-after-7"] and result["version"] == "6"
 
 
-def test_the_probe_through_the_engine_catches_a_stale_derived_copy(run, tmp_path):
+def test_the_probe_through_the_engine_catches_a_stale_derived_copy(prepacked):
     """`check_probe`: vLLM's own log-probs of the trainer's probe batch against the trainer's, after
     each step of a prepacked engine (within the tolerance, an fp32 engine's too), then with layer 0's
     down_proj computing from its step-1 prepacked copy after step 2 (every checksum passes: only the
     probe sees it): `ProbeError`, the engine holds no step, and the next update re-syncs it from its
-    base.  (Its steps are written by torch, picked with `init_info`'s `apply`.)"""
-    result = prepacked_run(run("probe", tmp_path, plain=False))
+    base.  (Its steps are written by torch, picked with `init_info`'s `apply`.  On the prepacked
+    engine, after its steps: its backend initialised again on the probe's chain.)"""
+    result = prepacked["probe"]
+    assert "crashed" not in result, result["crashed"]
     assert result["apply"] == "torch"
     tolerance = 0.02  # vllm_job.PROBE_TOLERANCE
     for key in ("1", "2", "resynced"):
