@@ -179,14 +179,14 @@ def test_a_reload_that_raises_leaves_an_engine_that_resyncs(prepacked):
     vLLM's CPU attention multiplies a block's unused slots by zero weights, so before the backend
     zeroed the cache at such a re-sync, its log-probs were NaN with exact weights (2 runs of 4).
     A finalize that raises leaves vLLM's per-layer reload state mid-way: no later reload is run.
-    (On the prepacked engine, after its steps: its backend initialised again, no prefetcher.)"""
+    (On the prepacked engine, after its steps and the probe's: its backend initialised again, no prefetcher.)"""
     result = prepacked["reload"]
     assert "crashed" not in result, result["crashed"]
     assert result["paths"] == PREPACKED_PATHS[prepacked["dtype"]]
     assert result["first"]["equal"] and result["once"]["equal"] and "once" not in result["errors"]
     numel = result["once"]["report"]["numel"]
-    # initialised again on the engine the prepacked test used: it starts holding nothing, so step 1 is
-    # a whole write from its base, not step 6's report carried over
+    # initialised again on the engine the probe used last: it starts holding nothing, so step 1 is a
+    # whole write from its base, not a step of the probe's chain carried over
     assert result["first"]["report"]["step"] == 1 and result["first"]["report"]["changed"] == numel
     assert result["once"]["report"]["changed"] == numel  # re-synced from the base
     assert "the loader failed halfway" in result["errors"]["always"]
@@ -286,7 +286,8 @@ def test_the_probe_through_the_engine_catches_a_stale_derived_copy(prepacked):
     engine, after its steps: its backend initialised again on the probe's chain.)"""
     result = prepacked["probe"]
     assert "crashed" not in result, result["crashed"]
-    assert result["apply"] == "torch"
+    assert result["paths"] == PREPACKED_PATHS[prepacked["dtype"]]  # the probe's chain maps as the engine's model
+    assert result["apply"] == "torch" and result["held"] is None  # initialised again: no step of the last chain
     tolerance = 0.02  # vllm_job.PROBE_TOLERANCE
     for key in ("1", "2", "resynced"):
         assert "refused" not in result[key] and result[key]["error"] <= tolerance, key

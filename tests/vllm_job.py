@@ -292,8 +292,8 @@ def kept_apart(half: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any
 
 
 def reload_fails(llm: Any, work: str, fresh: dict[int, list[Any]]) -> dict[str, Any]:
-    """The prepacked engine of `offline`, last (every failure here is induced): its backend
-    initialised again without a prefetcher; `fresh` holds fresh engines' log-probs of steps 1 and 2."""
+    """The prepacked engine of `offline`, last, after `probe` (every failure here is induced): its
+    backend initialised again without a prefetcher; `fresh` holds fresh engines' log-probs of steps 1 and 2."""
     llm.init_weight_transfer_engine({"init_info": {"url": f"{work}/store", "prefetch": False}})
     result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "errors": {}}
     llm.collective_rpc(_count_untouched)
@@ -401,7 +401,8 @@ def probe(llm: Any, work: str) -> dict[str, Any]:
 
     info = {"url": f"{work}/store", "prefetch": False, "probe_tolerance": PROBE_TOLERANCE, "apply": "torch"}
     llm.init_weight_transfer_engine({"init_info": info})
-    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "apply": llm.collective_rpc(STATUS)[0]["apply"]}
+    status = llm.collective_rpc(STATUS)[0]
+    result: dict[str, Any] = {"paths": llm.collective_rpc(_paths), "apply": status["apply"], "held": status["step"]}
 
     def check(key: str) -> None:
         started = time.perf_counter()
@@ -433,8 +434,9 @@ def probe(llm: Any, work: str) -> dict[str, Any]:
 
 
 class Trainer:
-    """The tiny Llama of the probe's chain, saved at step 0, publishing a step (2% of the elements
-    one ULP up, with the probe's log-probs) whenever asked: steps appear while an engine runs."""
+    """The tiny Llama of the sleep-mode scenario (the probe chain's model), saved at step 0,
+    publishing a step (2% of the elements one ULP up, with the probe's log-probs) whenever asked:
+    steps appear while an engine runs."""
 
     def __init__(self, work: str) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM

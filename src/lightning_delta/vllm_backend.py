@@ -291,6 +291,8 @@ class LightningDeltaEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo])
             reloaded_bytes / 1e6,
             f", because {'; '.join(reasons)}" if reasons else "",
         )
+        # a step of the chain followed before is none of this one's: STATUS says no step until an update
+        self.applied = self.last_report = self.last_write_seconds = None
         self._unloadable = set[str]()
         self._unverified = False
         """The engine's weights may be no step at all (a write failed past its point of no return, or
