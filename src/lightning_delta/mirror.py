@@ -30,8 +30,8 @@ stops at its step, says which object, and goes on once the source heals, or from
 does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
 there on); a damaged bridge is left out, and its base copied without it (and the bridge after
 it, if it heals while that base is the newest copied and the mirror has not restarted).  A blob whose marker
-is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
-then it is damage.
+is there but which is not (a replicated source), or the previous part a delta applies to, is
+waited for, `missing_after` seconds at most: then it is damage.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -104,13 +104,16 @@ class MirrorSettings:
     held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
     marker is) until the marker is read and checks it."""
     missing_after: float = 120.0
-    """Seconds a blob whose marker the source holds may stay missing (a replicated source that has
-    not received it yet) before it counts as damage: until then the mirror waits at its step; after,
-    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts only
-    while the mirror stands still: from the first pass that finds it missing after the pass that last
-    moved the mirror's newest step on (one found missing while the mirror was held at an earlier step
-    counts again from then), so only a mirror held that long calls it lost.  A blob missing below
-    the mirror's newest step (a hole it already serves past) holds nothing back: copied if it comes."""
+    """Seconds an object a step needs may stay missing at the source (a replicated source that has
+    not received it yet) before it counts as damage: a blob whose marker the source holds, or the
+    part a delta applies to (the same rank's part at its `prev_step`), neither at the mirror nor
+    copied in the same pass: a delta is never copied before it, so every step listed at the mirror
+    loads.  Until then the mirror waits at the step; after, it treats the step as damaged.  As for
+    followers (`FollowSettings.missing_after`), it counts only while the mirror stands still: from
+    the first pass that finds it missing after the pass that last moved the mirror's newest step on
+    (one found missing while the mirror was held at an earlier step counts again from then), so
+    only a mirror held that long calls it lost.  An object missing below the mirror's newest step
+    (a hole it already serves past) holds nothing back: copied if it comes."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -188,6 +191,7 @@ class _Ready(NamedTuple):
     part: _Part
     marker: bytes
     kind: fmt.Kind
+    prev: int | None  # the step of the same rank's part a delta applies to
     there: bool  # the marker is at the mirror already
 
 
@@ -564,7 +568,7 @@ class Mirror:
         for step in pending:
             outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
-            stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
+            stop = next((o for o in outcomes if isinstance(o, _Stop)), None) or self._unchained(ready, at_mirror)
             if stopped is not None and stopped_step < self._below <= step:  # the mirror's base needs nothing below it
                 if stopped.damaged:  # passed over for good, as a running mirror does at a newer base
                     self._skip_below = max(self._skip_below, self._below)
@@ -588,6 +592,7 @@ class Mirror:
                 writes = [o for o in ready if o.part.bridge == bridge and not o.there]
                 for done in [self._pool.submit(self._write, o.part.marker_key, o.marker) for o in writes]:
                     done.result()
+            at_mirror.setdefault(step, set()).update(o.part.marker_key.rsplit("/", 1)[1] for o in ready)
             with self._lock:
                 self._checked.update(o.part.marker_key for o in ready)
                 for part in names[step] if step in complete else ():  # done with for good
@@ -609,6 +614,21 @@ class Mirror:
         if stopped is not None and stopped_step < max(self._done, default=0):  # a hole below the steps
             stopped = None  # the mirror serves: it holds nothing back (copied when it comes, at a listing)
         return stopped, mirrored_base
+
+    def _unchained(self, ready: list[_Ready], at_mirror: dict[int, set[str]]) -> _Stop | None:
+        """Why a step whose parts are ready is held: a delta part whose previous part (the same
+        rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
+        fills out of order), so that every step listed at the mirror loads.  That part is missing as
+        a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock."""
+        for o in ready:
+            if o.part.bridge or o.prev is None or o.prev in self._done:
+                continue
+            prev = _Part(o.prev, o.part.rank, o.part.world_size, False)
+            if o.prev not in at_mirror:  # not pending in this pass: what the mirror holds of it
+                at_mirror[o.prev] = set(self.destination.objects.list(fmt.step_dir(o.prev)))
+            if prev.marker_key.rsplit("/", 1)[1] not in at_mirror[o.prev]:
+                return self._not_there(prev.marker_key)
+        return None
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
         """`outcome`, or None for a damaged bridge: it is optional (its base's parts load without it,
@@ -671,7 +691,7 @@ class Mirror:
         if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
             if not there:
                 self._same(part.marker_key, data)
-            return _Ready(part, data, marker.kind, there=True)
+            return _Ready(part, data, marker.kind, marker.prev_step, there=True)
         if not checked:
             if blob_name in at_mirror:
                 self._check_copy(part.blob_key, marker)
@@ -686,11 +706,12 @@ class Mirror:
                 self._write(part.blob_key, blob, marker=marker)
             with self._lock:
                 self._checked.add(part.blob_key)
-        return _Ready(part, data, marker.kind, there=False)
+        return _Ready(part, data, marker.kind, marker.prev_step, there=False)
 
     def _not_there(self, key: str) -> _Stop:
-        """A blob whose marker the source holds, missing: not there yet, or lost once it has been
-        missing for `missing_after` (damage then: the mirror stops there, or passes it over)."""
+        """A blob whose marker the source holds, or the part a delta applies to, missing: not there
+        yet, or lost once it has been missing for `missing_after` (damage then: the mirror stops
+        there, or passes it over)."""
         with self._lock:
             lost = self._missing.lost(MissingObjectError(key, key))
         if lost:
