@@ -1173,7 +1173,8 @@ def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
 def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
     holds: the mirror is not behind, its lag (what `--follow` shows) does not grow, and, lost, the
-    blob holds nothing back (no stop, no listing at each pass); it is copied if it comes.  Step 6,
+    blob holds nothing back (no stop, no listing at each pass); it is passed over for good (base 7
+    needs nothing older: not copied if it comes, as a restarted mirror does).  Step 6,
     before base 7: a step after it would chain through it, and be held (every listed step loads)."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     publish(shared, 8, base_every=6)  # bases at 1 and 7
@@ -1188,10 +1189,10 @@ def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_neve
             assert metrics.mirror_step == 8 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
             assert metrics.stopped_at is None
         assert metrics.listings == 3  # every `list_seconds` (at 0, 40, 200), not at each pass
-        watched.hidden.clear()  # it came after all: copied at the next listing
+        watched.hidden.clear()  # it came after all: passed over for good, its marker not read again
         clock[0] = 300.0
-        m.sync()
-    assert fmt.blob_path(6, 0, 1) in mirror.objects and mirror.objects[key] == marker
+        assert m.sync().listings == 4
+    assert key not in mirror.objects and watched.reads[key] == 1
 
 
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():
@@ -1386,3 +1387,26 @@ def test_a_delta_whose_previous_step_never_comes_is_held_until_missing_after_the
         metrics = m.sync()
     assert metrics.mirror_step == 9 and metrics.stopped_at is None
     assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9])
+
+
+def test_a_running_mirror_passes_over_damage_below_a_base_it_holds_as_a_restarted_one_does(monkeypatch):
+    """Bases 1 and 7, mirrored to 8 while step 6 was not at the source; then 6 comes, its blob
+    damaged.  A base the mirror holds needs nothing below it: the running mirror reads the damaged
+    blob once and passes it over for good (not a read at every listing), as a restarted one does."""
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
+    truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
+    six = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]}
+    key = fmt.blob_path(6, 0, 1)
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=30.0)) as m:
+        assert m.sync().mirror_step == 8
+        shared.objects.update(six)
+        shared.objects[key] = six[key][:-1]  # truncated
+        for clock[0] in (30.0, 60.0, 90.0):  # a listing each
+            metrics = m.sync()
+            assert metrics.mirror_step == 8 and metrics.stopped_at is None
+        assert metrics.listings == 4 and watched.reads[key] == 1  # before: read at each listing
+        shared.objects[key] = six[key]  # healed: no longer needed
+        clock[0] = 120.0
+        m.sync()
+    assert key not in mirror.objects
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 7, 8])

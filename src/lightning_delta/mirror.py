@@ -113,7 +113,8 @@ class MirrorSettings:
     the first pass that finds it missing after the pass that last moved the mirror's newest step on
     (one found missing while the mirror was held at an earlier step counts again from then), so
     only a mirror held that long calls it lost.  An object missing below the mirror's newest step
-    (a hole it already serves past) holds nothing back: copied if it comes."""
+    (a hole it already serves past) holds nothing back: copied if it comes in time, passed over for
+    good once lost (the mirror's newest base needs nothing older)."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -237,7 +238,7 @@ class Mirror:
         self._done: set[int] = set()  # steps complete at the mirror
         self._seen: dict[int, float] = {}  # steps not yet mirrored -> when first seen at the source
         self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
-        self._below = 0  # the mirror's newest complete base when it started: it needs nothing older
+        self._below = 0  # the mirror's newest complete base (at its start, then each it copies): none older needed
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
@@ -469,7 +470,8 @@ class Mirror:
         # A step older than the mirror's newest complete base may be one it passed over before a
         # restart (damage that base does not need), or one that came late at the source (a replicated
         # bucket, a slow rank): it is still listed and copied when complete, but a stop there no longer
-        # holds back the steps from that base on (`_copy`), which the mirror serves already.  A store
+        # holds back the steps from that base on (`_copy`), which the mirror serves already, and damage
+        # there is passed over for good (a running mirror the same, from each base it copies).  A store
         # error is raised (the next pass claims again); damage at the mirror is said.
         try:
             self._below = cutoff(self.destination, 1) or 0
@@ -606,6 +608,7 @@ class Mirror:
                         self.metrics.mirrored_at = time.time()
                 if _base(ready, world):  # a bridge left out before it is of no use any more
                     self._left_out = {p for p in self._left_out if p.step >= step}
+                    self._below = max(self._below, step)  # as a restart would find it (`_claim`)
                     mirrored_base = True
         if stopped is not None and stopped_step < self._below:  # no step from that base on was pending
             if stopped.damaged:
