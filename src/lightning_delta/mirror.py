@@ -27,11 +27,12 @@ created exclusively and only missing ones are written, so a mirror killed at any
 where it stopped; an object already at the mirror must be identical.  Each source object is read
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
-does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
-there on); a damaged bridge is left out, and its base copied without it (and the bridge after
-it, if it heals while that base is the newest copied and the mirror has not restarted).  A blob whose marker
-is there but which is not (a replicated source), or the previous part a delta applies to, is
-waited for, `missing_after` seconds at most: then it is damage.
+does not need it (a stop below the newest base it holds, running or restarted, does not hold back
+the steps from there on, and damage there is passed over for good); a damaged bridge is left out,
+and its base copied without it (and the bridge after it, if it heals while that base is the newest
+copied and the mirror has not restarted).  A blob whose marker is there but which is not (a
+replicated source), or the previous part a delta applies to, is waited for, `missing_after`
+seconds at most: then it is damage.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
