@@ -40,6 +40,7 @@ from lightning_delta import mirror as mirror_module
 from lightning_delta.cadence import Cadence
 from lightning_delta.cli import main
 from lightning_delta.reader import ChainReader
+from lightning_delta.retention import delete_steps
 from tinylm import TinyLM
 
 
@@ -1410,3 +1411,20 @@ def test_a_running_mirror_passes_over_damage_below_a_base_it_holds_as_a_restarte
         m.sync()
     assert key not in mirror.objects
     assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 7, 8])
+
+
+def test_a_late_delta_whose_previous_step_the_mirrors_retention_deletes_is_not_copied():
+    """Bases 1 and 7, mirrored to 8 while step 6 was not at the source; then the source's retention
+    deletes 1-5 and 6 comes after (a replica that does not replicate deletes).  The mirror deletes
+    1-5 as the source did, so 6, a delta on 5, is not copied: it would be listed and not load."""
+    shared, mirror = DictObjects(), DictObjects("dict://m")
+    truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
+    six = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]}
+    with Mirror(Store(shared), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        assert m.sync().mirror_step == 8
+        delete_steps(Store(shared), [1, 2, 3, 4, 5])
+        shared.objects.update(six)
+        metrics = m.sync()
+    assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_deleted == 5
+    assert fmt.commit_path(6, 0, 1) not in mirror.objects
+    assert_loads(Store(mirror), truth, [7, 8])

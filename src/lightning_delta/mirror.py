@@ -108,14 +108,15 @@ class MirrorSettings:
     """Seconds an object a step needs may stay missing at the source (a replicated source that has
     not received it yet) before it counts as damage: a blob whose marker the source holds, or the
     part a delta applies to (the same rank's part at its `prev_step`), neither at the mirror nor
-    copied in the same pass: a delta is never copied before it, so every step listed at the mirror
-    loads.  Until then the mirror waits at the step; after, it treats the step as damaged.  As for
-    followers (`FollowSettings.missing_after`), it counts only while the mirror stands still: from
-    the first pass that finds it missing after the pass that last moved the mirror's newest step on
-    (one found missing while the mirror was held at an earlier step counts again from then), so
-    only a mirror held that long calls it lost.  An object missing below the mirror's newest step
-    (a hole it already serves past) holds nothing back: copied if it comes in time, passed over for
-    good once lost (the mirror's newest base needs nothing older)."""
+    copied in the same pass (or deleted by the mirror's retention): a delta is never copied before
+    it, so every step listed at the mirror loads.  Until then the mirror waits at the step; after,
+    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts
+    only while the mirror stands still: from the first pass that finds it missing after the pass
+    that last moved the mirror's newest step on (one found missing while the mirror was held at an
+    earlier step counts again from then), so only a mirror held that long calls it lost.  An object
+    missing below the mirror's newest step (a hole it already serves past) holds nothing back:
+    copied if it comes in time, passed over for good once lost (the mirror's newest base needs
+    nothing older)."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -241,6 +242,7 @@ class Mirror:
         self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
         self._below = 0  # the mirror's newest complete base (at its start, then each it copies): none older needed
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
+        self._oldest = 0  # the oldest step the source listed last (following its retention, the mirror's too)
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
         self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again (memory only)
@@ -420,6 +422,7 @@ class Mirror:
         before = max(self._done, default=None)
         listed = self.source.published_steps()
         floor = max(self._skip_below, self._floor or 0)
+        self._oldest = listed[0] if listed else 0
         names = {s: self._source_parts(s, world) for s in listed if s not in self._done and s >= floor}
         complete = {s for s, parts in names.items() if _ranks(parts) == world}
         start = self._start(complete, names)
@@ -622,12 +625,16 @@ class Mirror:
     def _unchained(self, ready: list[_Ready], at_mirror: dict[int, set[str]]) -> _Stop | None:
         """Why a step whose parts are ready is held: a delta part whose previous part (the same
         rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
-        fills out of order), so that every step listed at the mirror loads.  That part is missing as
+        fills out of order), or is below what the mirror's retention keeps, so that every step
+        listed at the mirror loads.  That part is missing as
         a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock."""
+        kept = (self._floor or 0) if self.settings.keep_bases is not None else min(self._oldest, self._below)
         for o in ready:
-            if o.part.bridge or o.prev is None or o.prev in self._done:
+            if o.part.bridge or o.prev is None or (o.prev in self._done and o.prev >= kept):
                 continue
             prev = _Part(o.prev, o.part.rank, o.part.world_size, False)
+            if o.prev < kept:  # at the mirror maybe, but its retention deletes it (`_retain`)
+                return self._not_there(prev.marker_key)
             if o.prev not in at_mirror:  # not pending in this pass: what the mirror holds of it
                 at_mirror[o.prev] = set(self.destination.objects.list(fmt.step_dir(o.prev)))
             if prev.marker_key.rsplit("/", 1)[1] not in at_mirror[o.prev]:
