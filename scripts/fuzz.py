@@ -725,13 +725,14 @@ def mirror_setups(tmp: Path, pristine: Path) -> list[tuple[Path, Path]]:
     """(source, mirror) pairs: a mirror that copied the chain at `pristine` up to step `_MIRRORED`
     and stopped, and the source it restarts from, which went on to `_STEPS`.  Caught up; passed
     over (step 3's blob damaged at the source: the mirror holds 1, 2 and base 5 on, and must never
-    copy it); came late (step 3's marker reached the source after the mirror stopped: restarted,
-    the mirror copies it below its newest base)."""
+    copy it); came late (step 3's marker reached the source after the mirror stopped, which held 4,
+    which applies to it, until lost, then passed it over: restarted, the mirror copies 3 and 4 below
+    its newest base)."""
     setups, published = [], _tree(pristine)
     for name, holds in (
         ("caught-up", [1, 2, 3, 4, 5, 6]),
         ("passed-over", [1, 2, 5, 6]),
-        ("came-late", [1, 2, 4, 5, 6]),
+        ("came-late", [1, 2, 5, 6]),
     ):
         source, early, mirror = (tmp / f"{name}-{what}" for what in ("source", "early", "mirror"))
         shutil.copytree(pristine, source)
@@ -743,7 +744,7 @@ def mirror_setups(tmp: Path, pristine: Path) -> list[tuple[Path, Path]]:
             shutil.rmtree(early / fmt.step_dir(step))
         if name == "came-late":
             (early / fmt.commit_path(3, 0, 1)).unlink()
-        with Mirror(str(early), str(mirror)) as m:
+        with Mirror(str(early), str(mirror), MirrorSettings(missing_after=0.0)) as m:  # came late: 3 lost
             m.sync()
         shutil.rmtree(early)
         listed = DeltaLoader(str(mirror)).steps()

@@ -312,19 +312,29 @@ def test_a_follower_of_a_two_rank_chain_revealed_out_of_order_hands_out_only_exa
 
 
 def test_a_mirror_of_a_two_rank_chain_with_an_incomplete_step_serves_what_the_source_serves(store_copy):
+    """Rank 1's marker of 15 never comes: rank 1's 16-20 chain through it, so those steps are listed
+    at the source but do not load there.  The mirror holds them (`missing_after`), then passes them
+    over from base 21: every step it lists loads, and a follower there is served the steps a
+    follower of the source is served."""
     store, truth = store_copy
-    Path(store, fmt.commit_path(15, 1, 2)).unlink()  # 15 incomplete; rank 1's 16..20 chain through it
+    missing = fmt.commit_path(15, 1, 2)
+    Path(store, missing).unlink()  # 15 incomplete; rank 1's 16..20 chain through it
     mirror = str(Path(store).parent / "mirror")
-    with Mirror(store, mirror) as m:
+    with Mirror(store, mirror) as m:  # not there yet: held
+        metrics = m.sync()
+    assert metrics.mirror_step == 14 and metrics.stopped_at is not None and metrics.stopped_at.endswith(missing)
+    with Mirror(store, mirror, MirrorSettings(missing_after=0.0)) as m:  # lost at once: passed over
         metrics = m.sync()
     assert metrics.mirror_step == 30 and metrics.stopped_at is None
-    assert DeltaLoader(mirror).steps() == DeltaLoader(store).steps()
     assert Path(mirror, fmt.commit_path(15, 0, 2)).exists()  # rank 0's part, which its 16 needs
-    for step in (14, 16, 21, 30):
+    assert DeltaLoader(mirror).steps() == [*range(1, 15), *range(21, 31)]
+    assert DeltaLoader(store).steps() == [*range(1, 15), *range(16, 31)]
+    for step in (14, 16, 20, 21, 30):  # the edges of what is held (each load costs ~0.3 s)
         for where in (store, mirror):
-            if step == 16:
-                with pytest.raises(ChainError, match="step 15"):
-                    DeltaLoader(where).state_dict(step)
+            if 16 <= step <= 20:  # listed at the source only, and it does not load there
+                if where == store:
+                    with pytest.raises(ChainError, match="step 15"):
+                        DeltaLoader(where).state_dict(step)
                 continue
             state = DeltaLoader(where).state_dict(step)[1]
             assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, step).items()), (where, step)

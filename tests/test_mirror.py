@@ -40,6 +40,7 @@ from lightning_delta import mirror as mirror_module
 from lightning_delta.cadence import Cadence
 from lightning_delta.cli import main
 from lightning_delta.reader import ChainReader
+from lightning_delta.retention import delete_steps
 from tinylm import TinyLM
 
 
@@ -822,13 +823,15 @@ def test_a_restarted_mirror_does_not_stop_again_at_damage_a_newer_base_passed_ov
 def test_a_restarted_mirror_copies_a_step_that_came_late_below_its_newest_base():
     """A step's marker that reaches the source after the mirror copied a newer base (a replicated
     bucket, a slow rank): a running mirror copies it at its next listing, and so must a restarted
-    one, or the deltas that chain through it stay listed at the mirror and never load."""
+    one.  Before it came, 5 and 6, which chain through it, were held (lost at once here, then passed
+    over from base 7): a mirror lists only steps that load."""
     source, mirror = DictObjects(), DictObjects("dict://m")
     truth = publish(source, 8, base_every=6)  # bases at 1 and 7; 5 and 6 chain through 4
     key = fmt.commit_path(4, 0, 1)
     marker = source.objects.pop(key)
-    with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+    with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9, missing_after=0.0)) as m:
         assert m.sync().mirror_step == 8
+    assert_loads(Store(mirror), truth, [1, 2, 3, 7, 8])
     source.objects[key] = marker
     with Mirror(Store(source), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
         metrics = m.sync()
@@ -1171,24 +1174,26 @@ def test_the_mirror_command_takes_missing_after(tmp_path, capsys):
 def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_never_completes(monkeypatch):
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
     holds: the mirror is not behind, its lag (what `--follow` shows) does not grow, and, lost, the
-    blob holds nothing back (no stop, no listing at each pass); it is copied if it comes."""
+    blob holds nothing back (no stop, no listing at each pass); it is passed over for good (base 7
+    needs nothing older: not copied if it comes, as a restarted mirror does).  Step 6,
+    before base 7: a step after it would chain through it, and be held (every listed step loads)."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     publish(shared, 8, base_every=6)  # bases at 1 and 7
-    key = fmt.commit_path(4, 0, 1)
+    key = fmt.commit_path(6, 0, 1)
     marker = shared.objects.pop(key)
     with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=30.0)) as m:
         assert m.sync().mirror_step == 8
         shared.objects[key] = marker  # the marker comes; its blob does not
-        watched.hidden.add(fmt.blob_path(4, 0, 1))
+        watched.hidden.add(fmt.blob_path(6, 0, 1))
         for clock[0] in (40.0, 41.0, 55.0, 200.0, 201.0, 202.0):  # lost from 160 on
             metrics = m.sync()
             assert metrics.mirror_step == 8 and metrics.steps_behind == 0 and metrics.lag_seconds == 0.0
             assert metrics.stopped_at is None
         assert metrics.listings == 3  # every `list_seconds` (at 0, 40, 200), not at each pass
-        watched.hidden.clear()  # it came after all: copied at the next listing
+        watched.hidden.clear()  # it came after all: passed over for good, its marker not read again
         clock[0] = 300.0
-        m.sync()
-    assert fmt.blob_path(4, 0, 1) in mirror.objects and mirror.objects[key] == marker
+        assert m.sync().listings == 4
+    assert key not in mirror.objects and watched.reads[key] == 1
 
 
 def test_a_mirror_of_a_mirror_serves_every_step_exactly():
@@ -1287,8 +1292,9 @@ def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line
 
 
 def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_through_it(monkeypatch):
-    """Bases 1 and 7, mirrored to 8; step 4's marker comes late and its blob never does, then 10, 11
-    and 12 are published (no 9: only a listing finds 10). The hole holds nothing above 8 back."""
+    """Bases 1 and 7, mirrored to 8; step 6's marker comes late and its blob never does, then 10, 11
+    and 12 are published (no 9: only a listing finds 10). The hole holds nothing above 8 back (a
+    hole lower down would hold the deltas after it, which chain through it: every listed step loads)."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM()
@@ -1298,12 +1304,12 @@ def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_throu
             truth[step] = train(None, model, 1, seed=step)[1]
             publisher.publish(step)
         publisher.flush()
-        key = fmt.commit_path(4, 0, 1)
+        key = fmt.commit_path(6, 0, 1)
         marker = shared.objects.pop(key)
         with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
             assert m.sync().mirror_step == 8
             shared.objects[key] = marker
-            watched.hidden.add(fmt.blob_path(4, 0, 1))
+            watched.hidden.add(fmt.blob_path(6, 0, 1))
             for step in (10, 11, 12):
                 truth[step] = train(None, model, 1, seed=step)[1]
                 publisher.publish(step)
@@ -1313,8 +1319,7 @@ def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_throu
                 metrics = m.sync()
                 clock[0] += 10.0
     assert metrics.mirror_step == 12 and metrics.stopped_at is None
-    for step in (10, 11, 12):  # (5 and 6, copied before 4's marker came, chain through the hole: #40's note)
-        assert_state(DeltaLoader(Store(mirror)).state_dict(step)[1], truth[step])
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 7, 8, 10, 11, 12])
 
 
 def test_a_pass_that_copies_steps_and_then_raises_moves_the_missing_clock_on(monkeypatch):
@@ -1340,3 +1345,86 @@ def test_a_pass_that_copies_steps_and_then_raises_moves_the_missing_clock_on(mon
         for clock[0] in (121.0, 122.0):
             metrics = m.sync()
     assert metrics.mirror_step == 6 and metrics.stopped_at == f"dict://home/{second}"  # before: 7 and 8 passed over
+
+
+def test_a_delta_whose_previous_step_comes_after_it_is_held_until_it_comes(monkeypatch):
+    """A source that fills out of order (a replicated bucket): step 7 there before step 6, which it
+    applies to.  The mirror holds 7 (not damage, no step listed that does not load) until 6 comes,
+    then copies both, in order."""
+    clock, shared, watched, _ = on_a_fake_clock(monkeypatch)
+    mirror = Recording("dict://m")
+    truth = publish(shared, 9)  # bases at 1, 5 and 9
+    six = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 50.0, 100.0):  # a listing at 0 and 50 (list_seconds), names between
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == f"dict://home/{fmt.commit_path(6, 0, 1)}"
+            assert fmt.commit_path(7, 0, 1) not in mirror.objects
+        shared.objects.update(six)  # it came
+        assert m.sync().mirror_step == 9
+    markers = [k for e, k in mirror.events if e == "create" and k.endswith(".commit") and "bridge" not in k]
+    assert markers == [fmt.commit_path(s, 0, 1) for s in range(1, 10)]  # 6's before 7's
+    assert_loads(Store(mirror), truth, list(range(1, 10)))
+
+
+def test_a_delta_whose_previous_step_never_comes_is_held_until_missing_after_then_passed_over(monkeypatch, caplog):
+    """Step 6 never reaches the source: step 7 is held `missing_after`, then 6 is damage, said once:
+    the mirror stops there, naming step 6's marker, and goes on at the next base (9, which comes later)."""
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="lightning_delta.mirror")
+    truth = publish(shared, 9)  # bases at 1, 5 and 9
+    for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]:
+        del shared.objects[k]
+    nine = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(9))]}
+    lost = f"dict://home/{fmt.commit_path(6, 0, 1)}"
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 100.0, 130.0):  # listings (list_seconds 30): lost at 130
+            metrics = m.sync()
+            assert metrics.mirror_step == 5 and metrics.stopped_at == lost
+            assert fmt.commit_path(7, 0, 1) not in mirror.objects
+            assert len([r for r in caplog.records if lost in r.getMessage()]) == (clock[0] >= 120)
+        shared.objects.update(nine)
+        clock[0] = 131.0
+        metrics = m.sync()
+    assert metrics.mirror_step == 9 and metrics.stopped_at is None
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9])
+
+
+def test_a_running_mirror_passes_over_damage_below_a_base_it_holds_as_a_restarted_one_does(monkeypatch):
+    """Bases 1 and 7, mirrored to 8 while step 6 was not at the source; then 6 comes, its blob
+    damaged.  A base the mirror holds needs nothing below it: the running mirror reads the damaged
+    blob once and passes it over for good (not a read at every listing), as a restarted one does."""
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
+    truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
+    six = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]}
+    key = fmt.blob_path(6, 0, 1)
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(list_seconds=30.0)) as m:
+        assert m.sync().mirror_step == 8
+        shared.objects.update(six)
+        shared.objects[key] = six[key][:-1]  # truncated
+        for clock[0] in (30.0, 60.0, 90.0):  # a listing each
+            metrics = m.sync()
+            assert metrics.mirror_step == 8 and metrics.stopped_at is None
+        assert metrics.listings == 4 and watched.reads[key] == 1  # before: read at each listing
+        shared.objects[key] = six[key]  # healed: no longer needed
+        clock[0] = 120.0
+        m.sync()
+    assert key not in mirror.objects
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 7, 8])
+
+
+def test_a_late_delta_whose_previous_step_the_mirrors_retention_deletes_is_not_copied():
+    """Bases 1 and 7, mirrored to 8 while step 6 was not at the source; then the source's retention
+    deletes 1-5 and 6 comes after (a replica that does not replicate deletes).  The mirror deletes
+    1-5 as the source did, so 6, a delta on 5, is not copied: it would be listed and not load."""
+    shared, mirror = DictObjects(), DictObjects("dict://m")
+    truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
+    six = {k: shared.objects.pop(k) for k in [k for k in shared.objects if k.startswith(fmt.step_dir(6))]}
+    with Mirror(Store(shared), Store(mirror), MirrorSettings(list_seconds=1e-9)) as m:
+        assert m.sync().mirror_step == 8
+        delete_steps(Store(shared), [1, 2, 3, 4, 5])
+        shared.objects.update(six)
+        metrics = m.sync()
+    assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_deleted == 5
+    assert fmt.commit_path(6, 0, 1) not in mirror.objects
+    assert_loads(Store(mirror), truth, [7, 8])

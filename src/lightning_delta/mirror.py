@@ -27,11 +27,12 @@ created exclusively and only missing ones are written, so a mirror killed at any
 where it stopped; an object already at the mirror must be identical.  Each source object is read
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
-does not need it (restarted, a stop below the newest base it holds does not hold back the steps from
-there on); a damaged bridge is left out, and its base copied without it (and the bridge after
-it, if it heals while that base is the newest copied and the mirror has not restarted).  A blob whose marker
-is there but which is not (a replicated source) is waited for, `missing_after` seconds at most:
-then it is damage.
+does not need it (a stop below the newest base it holds, running or restarted, does not hold back
+the steps from there on, and damage there is passed over for good); a damaged bridge is left out,
+and its base copied without it (and the bridge after it, if it heals while that base is the newest
+copied and the mirror has not restarted).  A blob whose marker is there but which is not (a
+replicated source), or the previous part a delta applies to, is waited for, `missing_after`
+seconds at most: then it is damage.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -104,13 +105,18 @@ class MirrorSettings:
     held (at most the largest delta seen of its rank, a quarter more: a base's rest is read once its
     marker is) until the marker is read and checks it."""
     missing_after: float = 120.0
-    """Seconds a blob whose marker the source holds may stay missing (a replicated source that has
-    not received it yet) before it counts as damage: until then the mirror waits at its step; after,
-    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts only
-    while the mirror stands still: from the first pass that finds it missing after the pass that last
-    moved the mirror's newest step on (one found missing while the mirror was held at an earlier step
-    counts again from then), so only a mirror held that long calls it lost.  A blob missing below
-    the mirror's newest step (a hole it already serves past) holds nothing back: copied if it comes."""
+    """Seconds an object a step needs may stay missing at the source (a replicated source that has
+    not received it yet) before it counts as damage: a blob whose marker the source holds, or the
+    part a delta applies to (the same rank's part at its `prev_step`), neither at the mirror nor
+    copied in the same pass (or deleted by the mirror's retention): a delta is never copied before
+    it, so every step listed at the mirror loads.  Until then the mirror waits at the step; after,
+    it treats the step as damaged.  As for followers (`FollowSettings.missing_after`), it counts
+    only while the mirror stands still: from the first pass that finds it missing after the pass
+    that last moved the mirror's newest step on (one found missing while the mirror was held at an
+    earlier step counts again from then), so only a mirror held that long calls it lost.  An object
+    missing below the mirror's newest step (a hole it already serves past) holds nothing back:
+    copied if it comes in time, passed over for good once lost (the mirror's newest base needs
+    nothing older)."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -188,6 +194,7 @@ class _Ready(NamedTuple):
     part: _Part
     marker: bytes
     kind: fmt.Kind
+    prev: int | None  # the step of the same rank's part a delta applies to
     there: bool  # the marker is at the mirror already
 
 
@@ -233,8 +240,9 @@ class Mirror:
         self._done: set[int] = set()  # steps complete at the mirror
         self._seen: dict[int, float] = {}  # steps not yet mirrored -> when first seen at the source
         self._skip_below = 0  # steps older than this are not mirrored (damage before a newer base)
-        self._below = 0  # the mirror's newest complete base when it started: it needs nothing older
+        self._below = 0  # the mirror's newest complete base (at its start, then each it copies): none older needed
         self._floor: int | None = None  # with keep_bases: the mirror's retention cutoff
+        self._oldest = 0  # the oldest step the source listed last (following its retention, the mirror's too)
         self._floor_checked = False
         self._said: set[str] = set()  # objects already warned about
         self._left_out: set[_Part] = set()  # damaged bridges of the newest base mirrored, tried again (memory only)
@@ -414,6 +422,7 @@ class Mirror:
         before = max(self._done, default=None)
         listed = self.source.published_steps()
         floor = max(self._skip_below, self._floor or 0)
+        self._oldest = listed[0] if listed else 0
         names = {s: self._source_parts(s, world) for s in listed if s not in self._done and s >= floor}
         complete = {s for s, parts in names.items() if _ranks(parts) == world}
         start = self._start(complete, names)
@@ -465,7 +474,8 @@ class Mirror:
         # A step older than the mirror's newest complete base may be one it passed over before a
         # restart (damage that base does not need), or one that came late at the source (a replicated
         # bucket, a slow rank): it is still listed and copied when complete, but a stop there no longer
-        # holds back the steps from that base on (`_copy`), which the mirror serves already.  A store
+        # holds back the steps from that base on (`_copy`), which the mirror serves already, and damage
+        # there is passed over for good (a running mirror the same, from each base it copies).  A store
         # error is raised (the next pass claims again); damage at the mirror is said.
         try:
             self._below = cutoff(self.destination, 1) or 0
@@ -564,7 +574,7 @@ class Mirror:
         for step in pending:
             outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
             ready = [o for o in outcomes if isinstance(o, _Ready)]
-            stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
+            stop = next((o for o in outcomes if isinstance(o, _Stop)), None) or self._unchained(ready, at_mirror)
             if stopped is not None and stopped_step < self._below <= step:  # the mirror's base needs nothing below it
                 if stopped.damaged:  # passed over for good, as a running mirror does at a newer base
                     self._skip_below = max(self._skip_below, self._below)
@@ -588,6 +598,7 @@ class Mirror:
                 writes = [o for o in ready if o.part.bridge == bridge and not o.there]
                 for done in [self._pool.submit(self._write, o.part.marker_key, o.marker) for o in writes]:
                     done.result()
+            at_mirror.setdefault(step, set()).update(o.part.marker_key.rsplit("/", 1)[1] for o in ready)
             with self._lock:
                 self._checked.update(o.part.marker_key for o in ready)
                 for part in names[step] if step in complete else ():  # done with for good
@@ -601,6 +612,7 @@ class Mirror:
                         self.metrics.mirrored_at = time.time()
                 if _base(ready, world):  # a bridge left out before it is of no use any more
                     self._left_out = {p for p in self._left_out if p.step >= step}
+                    self._below = max(self._below, step)  # as a restart would find it (`_claim`)
                     mirrored_base = True
         if stopped is not None and stopped_step < self._below:  # no step from that base on was pending
             if stopped.damaged:
@@ -609,6 +621,25 @@ class Mirror:
         if stopped is not None and stopped_step < max(self._done, default=0):  # a hole below the steps
             stopped = None  # the mirror serves: it holds nothing back (copied when it comes, at a listing)
         return stopped, mirrored_base
+
+    def _unchained(self, ready: list[_Ready], at_mirror: dict[int, set[str]]) -> _Stop | None:
+        """Why a step whose parts are ready is held: a delta part whose previous part (the same
+        rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
+        fills out of order), or is below what the mirror's retention keeps, so that every step
+        listed at the mirror loads.  That part is missing as
+        a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock."""
+        kept = (self._floor or 0) if self.settings.keep_bases is not None else min(self._oldest, self._below)
+        for o in ready:
+            if o.part.bridge or o.prev is None or (o.prev in self._done and o.prev >= kept):
+                continue
+            prev = _Part(o.prev, o.part.rank, o.part.world_size, False)
+            if o.prev < kept:  # at the mirror maybe, but its retention deletes it (`_retain`)
+                return self._not_there(prev.marker_key)
+            if o.prev not in at_mirror:  # not pending in this pass: what the mirror holds of it
+                at_mirror[o.prev] = set(self.destination.objects.list(fmt.step_dir(o.prev)))
+            if prev.marker_key.rsplit("/", 1)[1] not in at_mirror[o.prev]:
+                return self._not_there(prev.marker_key)
+        return None
 
     def _unbridged(self, part: _Part, outcome: _Ready | _Stop) -> _Ready | _Stop | None:
         """`outcome`, or None for a damaged bridge: it is optional (its base's parts load without it,
@@ -671,7 +702,7 @@ class Mirror:
         if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
             if not there:
                 self._same(part.marker_key, data)
-            return _Ready(part, data, marker.kind, there=True)
+            return _Ready(part, data, marker.kind, marker.prev_step, there=True)
         if not checked:
             if blob_name in at_mirror:
                 self._check_copy(part.blob_key, marker)
@@ -686,11 +717,12 @@ class Mirror:
                 self._write(part.blob_key, blob, marker=marker)
             with self._lock:
                 self._checked.add(part.blob_key)
-        return _Ready(part, data, marker.kind, there=False)
+        return _Ready(part, data, marker.kind, marker.prev_step, there=False)
 
     def _not_there(self, key: str) -> _Stop:
-        """A blob whose marker the source holds, missing: not there yet, or lost once it has been
-        missing for `missing_after` (damage then: the mirror stops there, or passes it over)."""
+        """A blob whose marker the source holds, or the part a delta applies to, missing: not there
+        yet, or lost once it has been missing for `missing_after` (damage then: the mirror stops
+        there, or passes it over)."""
         with self._lock:
             lost = self._missing.lost(MissingObjectError(key, key))
         if lost:
