@@ -10,7 +10,8 @@ either writes, and both follow with the same catch-up decisions although worker 
 steps.  Each writes OUT/rank-R.json: what it fetched, and whether every tensor it rebuilt equals
 its own trainer state bit for bit.  Then both follow past a hole (`hole`): trainer rank 1's blob
 of step 3 is not there yet, once until it comes, once until `missing_after`; trainer rank 0's blob
-of step 7 never comes (6 lies below it).  Last, one value of
+of step 7 never comes (6 lies below it); each worker misses a blob of its own share, of different
+steps, until they come.  Last, one value of
 step 7 is forged (tests/forge.py) and both workers must refuse it by the trainer's checksum.
 """
 
@@ -267,6 +268,8 @@ def main() -> None:
     report["bound"] = hole(store, truth, fmt.blob_path(3, 1, 2), None, 6.0 if rank == 0 else 1000.0)
     # trainer rank 0's blob of step 7 never comes: 6, complete below the hole, is handed out
     report["below"] = hole(store, truth, fmt.blob_path(7, 0, 2), None, 1000.0)
+    # each worker misses a blob of its own, worker 0 of step 6, worker 1 of step 3: both come at the 7th
+    report["two"] = hole(store, truth, fmt.blob_path(6, 0, 2) if rank == 0 else fmt.blob_path(3, 1, 2), 7, 1000.0)
     report["forged"] = forged(store, rank)
     jobs.report(out, rank, report)
 

@@ -399,3 +399,15 @@ def test_a_replica_past_a_hole_hands_out_the_complete_step_below_it_on_both_work
         assert reads == [tried(rank, 7, 7 if rank == 0 else None), tried(rank, 6, None)], (rank, report["read"])
         assert all(size == stored for size, _, stored in report["read"][:2])
         assert report["handed"] == [6, [], 4, True] and report["not_yet"] == [7] and report["warnings"] == []
+
+
+def test_a_replica_past_two_holes_tries_each_poll_once_down_to_the_oldest(replica_run):
+    """Held 2, each worker misses a blob of its own share: worker 0 of step 6, worker 1 of step 3.
+    Each names its own (not the first failing worker's, passed on to both), so both stop below 3
+    after one try of 7 a poll (naming 6, both would try 5 too, each poll) until both come."""
+    for rank, report in enumerate(r["two"] for r in replica_run):
+        reads = [sorted(keys) for _, keys, _ in report["read"]]
+        assert reads == [tried(rank, 7, 6 if rank == 0 else 3), []] * 3, (rank, report["read"])
+        assert all(size == stored for size, _, stored in report["read"])
+        assert report["not_yet"] == [7, 7, 7]
+        assert report["handed"] == [7, [], 5, True] and report["warnings"] == []
