@@ -9,7 +9,9 @@ half of the objects, and follow the chain together.  Then each binds a module of
 either writes, and both follow with the same catch-up decisions although worker 1 lists fewer
 steps.  Each writes OUT/rank-R.json: what it fetched, and whether every tensor it rebuilt equals
 its own trainer state bit for bit.  Then both follow past a hole (`hole`): trainer rank 1's blob
-of step 3 is not there yet, once until it comes, once until `missing_after`.  Last, one value of
+of step 3 is not there yet, once until it comes, once until `missing_after`; trainer rank 0's blob
+of step 7 never comes (6 lies below it); each worker misses a blob of its own share, of different
+steps, until they come.  Last, one value of
 step 7 is forged (tests/forge.py) and both workers must refuse it by the trainer's checksum.
 """
 
@@ -21,7 +23,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -140,15 +141,14 @@ def modules(store: str, truth: dict[int, dict[str, torch.Tensor]], rank: int) ->
 
 class Filling(FsspecObjects):
     """The chain as a store that fills out of order shows it: `hole` is not there before the
-    `back`-th listing of the steps (None: never); at each listing, the bytes read before it, the
-    keys read since the previous one and the step `held()` says the follower holds."""
+    `back`-th listing of the steps (None: never); at each listing, the bytes read before it and the
+    keys read since the previous one."""
 
     def __init__(self, url: str, hole: str, back: int | None) -> None:
         super().__init__(url)
         self.hole, self.back = hole, back
-        self.polls: list[tuple[int, list[str], int | None]] = []
+        self.polls: list[tuple[int, list[str]]] = []
         self.keys: list[str] = []
-        self.held: Callable[[], int | None] = lambda: None
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         if key == self.hole and (self.back is None or len(self.polls) < self.back):
@@ -158,21 +158,22 @@ class Filling(FsspecObjects):
 
     def list(self, key: str) -> list[str]:
         if key == "steps":
-            self.polls.append((self.bytes_read, self.keys, self.held()))
+            self.polls.append((self.bytes_read, self.keys))
             self.keys = []
         return super().list(key)
 
 
-def hole(store: str, truth: dict[int, dict[str, torch.Tensor]], back: int | None, bound: float) -> dict:
-    """A fresh replica follower holding step 2 while trainer rank 1's blob of step 3, which worker 1
-    alone fetches, is not there yet, and steps 3 to 7 (each chaining through 3) are listed: only
-    worker 1 meets the miss (worker 0 raises its message, which names no step).  The missing clock
-    counts listings of the steps; `bound` is this worker's `missing_after` in listings (group rank
-    0's verdict counts), and the blob comes at the `back`-th listing.  What the first `next()`
-    handed out, the step held at the first 7 listings, the keys and bytes read between them, the
-    steps logged as not complete yet, and the warnings."""
+def hole(store: str, truth: dict[int, dict[str, torch.Tensor]], hidden: str, back: int | None, bound: float) -> dict:
+    """A fresh replica follower holding step 2 while the blob `hidden`, which this worker alone
+    fetches (or which it never reads: it meets only the other's message), is not there yet, and
+    steps 3 to 7 are listed.  The missing clock counts listings of the steps; `bound` is this
+    worker's `missing_after` in listings (group rank 0's verdict counts), and the blob comes at the
+    `back`-th listing.  What the first `next()` handed out ("timed out" where the follower ended
+    without a step: the case's test fails, not every test of the job), the keys and bytes read
+    between the first 7 listings (or the hand-out) with the bytes those keys hold in
+    the store, the steps logged as not complete yet, and the warnings."""
     started = time.monotonic()
-    objects = Filling(store, fmt.blob_path(3, 1, 2), back)
+    objects = Filling(store, hidden, back)
     follow_module.MissingClock = lambda after: MissingClock(after, clock=lambda: len(objects.polls))  # type: ignore[assignment,misc]
     said, follows = Logged(logging.DEBUG), logging.getLogger("lightning_delta.follow")
     logging.getLogger("lightning_delta").addHandler(said)
@@ -180,10 +181,17 @@ def hole(store: str, truth: dict[int, dict[str, torch.Tensor]], back: int | None
     follows.setLevel(logging.DEBUG)
     loader = DeltaLoader(Store(objects), process_group=dist.group.WORLD)
     loader.state_dict(2)
-    objects.held, objects.polls[:] = lambda: loader.held_step, []
+    objects.polls[:] = []
     follower = loader.follow(FollowSettings(poll_seconds=0.001, timeout=60, missing_after=bound))  # timeout: a lost run
+    handed: list | str = "timed out"
     try:
         followed = next(follower)
+        handed = [followed.step, list(followed.skipped), followed.report.parts_read]
+        handed.append(exact(followed.tensors, truth[followed.step]))
+    except StopIteration:
+        pass
+    else:  # the reads of the step handed out end here, unless a listing ended them already
+        objects.polls.append((objects.bytes_read, objects.keys))
     finally:
         follower.close()
         follows.setLevel(level)
@@ -191,10 +199,11 @@ def hole(store: str, truth: dict[int, dict[str, torch.Tensor]], back: int | None
         follow_module.MissingClock = MissingClock  # type: ignore[misc]
     polls = objects.polls[:7]
     return {
-        "handed": [followed.step, list(followed.skipped), followed.report.parts_read],
-        "exact": exact(followed.tensors, truth[followed.step]),
-        "held": [held for _, _, held in polls],
-        "read": [[b - a, keys] for (a, _, _), (b, keys, _) in itertools.pairwise(polls)],
+        "handed": handed,
+        "read": [
+            [b - a, keys, sum(os.path.getsize(os.path.join(store, k)) for k in keys)]
+            for (a, _), (b, keys) in itertools.pairwise(polls)
+        ],
         "not_yet": [int(m[1]) for m in map(re.compile(r"step (\d+) is not complete yet").match, said.messages) if m],
         "warnings": [m for m, level in zip(said.messages, said.levels, strict=True) if level >= logging.WARNING],
         "seconds": time.monotonic() - started,
@@ -252,10 +261,15 @@ def main() -> None:
         report["followed_exact"].append(exact(followed.tensors, truth[followed.step]))
         break
     report["modules"] = modules(store, truth, rank)
-    # the blob comes at the 7th listing (worker 1 alone would call it lost at once); then it never
-    # comes, and worker 0's bound is 6 listings (worker 1 alone would wait 1000)
-    report["back"] = hole(store, truth, 7, 1000.0 if rank == 0 else 0.0)
-    report["bound"] = hole(store, truth, None, 6.0 if rank == 0 else 1000.0)
+    # trainer rank 1's blob of step 3 (worker 1's share) comes at the 7th listing (worker 1 alone
+    # would call it lost at once); then it never comes, and worker 0's bound is 6 listings (worker 1
+    # alone would wait 1000)
+    report["back"] = hole(store, truth, fmt.blob_path(3, 1, 2), 7, 1000.0 if rank == 0 else 0.0)
+    report["bound"] = hole(store, truth, fmt.blob_path(3, 1, 2), None, 6.0 if rank == 0 else 1000.0)
+    # trainer rank 0's blob of step 7 never comes: 6, complete below the hole, is handed out
+    report["below"] = hole(store, truth, fmt.blob_path(7, 0, 2), None, 1000.0)
+    # each worker misses a blob of its own, worker 0 of step 6, worker 1 of step 3: both come at the 7th
+    report["two"] = hole(store, truth, fmt.blob_path(6, 0, 2) if rank == 0 else fmt.blob_path(3, 1, 2), 7, 1000.0)
     report["forged"] = forged(store, rank)
     jobs.report(out, rank, report)
 

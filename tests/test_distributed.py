@@ -370,6 +370,14 @@ def test_a_mirror_asks_for_one_ranks_objects_until_a_two_rank_step_comes(store_c
     assert all(bitwise_equal(state[n], t) for n, t in truth_at(truth, 21).items())
 
 
+def tried(rank: int, step: int, missing: int | None) -> list[str]:
+    """The keys worker `rank` (trainer rank `rank`'s share) reads trying `step` from step 2 where its
+    blob of step `missing` is not there: every marker, then the blobs newest first up to the missing one."""
+    markers = [fmt.commit_path(s, rank, 2) for s in range(3, step + 1)] + [fmt.commit_path(5, rank, 2, bridge=True)]
+    blobs = [fmt.blob_path(s, rank, 2, bridge=s == 5) for s in range(step, 2, -1) if missing is None or s > missing]
+    return sorted(markers + blobs)
+
+
 @pytest.mark.parametrize("case", ["back", "bound"])
 def test_a_replica_past_a_hole_reads_each_poll_one_try_on_each_worker_and_stays_in_step(replica_run, case):
     """Held 2, trainer rank 1's blob of step 3 (worker 1's share) not there yet, 3 to 7 listed: worker
@@ -379,18 +387,37 @@ def test_a_replica_past_a_hole_reads_each_poll_one_try_on_each_worker_and_stays_
     until the blob comes ("back": 7 through 3) or worker 0's bound passes ("bound": said once, 7
     rebuilt from the base at 5); the other worker's bound (0, then 1000) changes nothing."""
     for rank, report in enumerate(r[case] for r in replica_run):
-        markers = [fmt.commit_path(s, rank, 2) for s in range(3, 8)] + [fmt.commit_path(5, rank, 2, bridge=True)]
-        blobs = [fmt.blob_path(s, rank, 2, bridge=s == 5) for s in range(3, 8) if (s, rank) != (3, 1)]
-        one_try = sorted(markers + blobs)  # each object of the path from 2 to 7 this worker fetches, once
-        reads = [sorted(keys) for _, keys in report["read"]]
-        assert reads == [one_try, []] * 3, (rank, report["read"])
-        sizes = [size for size, _ in report["read"]]
-        assert sizes == [sizes[0], 0] * 3 and sizes[0] > 0
-        assert report["held"] == [2] * 7 and report["not_yet"] == [7, 7, 7]  # the same outcome, each poll
-        assert report["exact"]
+        reads = [sorted(keys) for _, keys, _ in report["read"]]
+        assert reads == [tried(rank, 7, 3 if rank == 1 else None), []] * 3, (rank, report["read"])
+        assert all(size == stored for size, _, stored in report["read"])  # each object read whole, once
+        assert report["not_yet"] == [7, 7, 7]  # the same outcome, each poll
         if case == "back":
-            assert report["handed"] == [7, [], 5] and report["warnings"] == []  # the deltas 3, 4, 5, 6, 7
+            assert report["handed"] == [7, [], 5, True] and report["warnings"] == []  # the deltas 3, 4, 5, 6, 7
         else:
-            assert report["handed"] == [7, [], 3]  # the base at 5, then 6 and 7
+            assert report["handed"] == [7, [], 3, True]  # the base at 5, then 6 and 7
             [warning] = report["warnings"]
             assert "step 7 does not rebuild from the step held" in warning and fmt.blob_path(3, 1, 2) in warning
+
+
+def test_a_replica_past_a_hole_hands_out_the_complete_step_below_it_on_both_workers(replica_run):
+    """Held 2, trainer rank 0's blob of step 7 (worker 0's share) never comes: worker 0 names step
+    7, worker 1 (which has only its message) none, and both try 6 next, in the same poll, and hand
+    it out bit-exactly (were worker 1 to name 0, or neither to narrow, neither would try 6)."""
+    for rank, report in enumerate(r["below"] for r in replica_run):
+        # then the follower, prefetching, polls on while the caller holds 6: those reads are not counted
+        reads = [sorted(keys) for _, keys, _ in report["read"][:2]]
+        assert reads == [tried(rank, 7, 7 if rank == 0 else None), tried(rank, 6, None)], (rank, report["read"])
+        assert all(size == stored for size, _, stored in report["read"][:2])
+        assert report["handed"] == [6, [], 4, True] and report["not_yet"] == [7] and report["warnings"] == []
+
+
+def test_a_replica_past_two_holes_tries_each_poll_once_down_to_the_oldest(replica_run):
+    """Held 2, each worker misses a blob of its own share: worker 0 of step 6, worker 1 of step 3.
+    Each names its own (not the first failing worker's, passed on to both), so both stop below 3
+    after one try of 7 a poll (naming 6, both would try 5 too, each poll) until both come."""
+    for rank, report in enumerate(r["two"] for r in replica_run):
+        reads = [sorted(keys) for _, keys, _ in report["read"]]
+        assert reads == [tried(rank, 7, 6 if rank == 0 else 3), []] * 3, (rank, report["read"])
+        assert all(size == stored for size, _, stored in report["read"])
+        assert report["not_yet"] == [7, 7, 7]
+        assert report["handed"] == [7, [], 5, True] and report["warnings"] == []

@@ -237,8 +237,12 @@ def follow(source: Source, settings: FollowSettings) -> Iterator[FollowedStep]:
             verdict = source.decide(verdict)[0]  # every worker of a replica failed too: rank 0's verdict
             if verdict == _WAIT:
                 log.debug("step %d is not complete yet, trying again at the next poll: %s", step, error)
-                # None where the key is another worker's message, or no step's object (the run manifest)
-                hole = fmt.parse_step_key(error.key) if isinstance(error, MissingObjectError) else None
+                # This worker's own miss: a replica's exchange raises the first failing worker's error
+                # on every worker, this worker's own as its cause (a MissingObjectError's own cause, if
+                # any, names the same key); none where it met no miss (the key is then another
+                # worker's message) or the object is no step's (the run manifest).
+                own = error.__cause__ if isinstance(error.__cause__, MissingObjectError) else error
+                hole = fmt.parse_step_key(own.key) if isinstance(own, MissingObjectError) else None
                 return min(source.decide(step if hole is None else min(hole, step)))
             if verdict == _FORGED and not isinstance(error, SignatureError):
                 return SignatureError(f"step {step} was refused by signature on worker 0 of the replica")
