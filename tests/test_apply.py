@@ -58,6 +58,16 @@ def test_each_device_takes_the_walk_that_runs_there_by_default(monkeypatch):
     assert isinstance(apply.walker(None, CPU), apply.TorchWalker)
 
 
+def test_a_walker_reports_the_backend_it_is(store_url):
+    """`backend_of` is what a follower reports as `walks_with` (vLLM's `apply` stat): each walker
+    names its own backend, and a CPU follower that walks its payloads says it walks them on the CPU."""
+    for backend in (ApplyBackend.CPU_WALK, ApplyBackend.TORCH):
+        assert apply.backend_of(apply.walker(backend, CPU)) == backend
+    assert apply.backend_of(apply.DeviceWalker(CPU)) == ApplyBackend.DEVICE
+    publish(store_url)
+    assert follower(store_url, Engine(), ApplyBackend.CPU_WALK).walks_with == ApplyBackend.CPU_WALK
+
+
 def test_a_backend_that_cannot_run_where_it_is_asked_to_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^the CPU walk writes CPU parameters with numba, not parameters on cuda$"):
         apply.walker(ApplyBackend.CPU_WALK, CUDA)
@@ -523,6 +533,27 @@ def test_without_a_group_a_worker_decides_alone():
     assert group.decide(None, 7) == [7]
     with pytest.raises(KeyError):
         group.sum_partials(None, [1], KeyError("the failure"))
+
+
+def test_the_device_walks_table_is_copied_once_while_its_parameters_stay(monkeypatch):
+    """A payload's table is copied to the device at its first walk, and again only when a parameter
+    it names moved (the engine replaced it): every step in sync walks each payload once."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    copied = []
+    copy = device_walk.DeviceTable
+    monkeypatch.setattr(device_walk, "DeviceTable", lambda *args: copied.append(args) or copy(*args))
+    walker, param = apply.DeviceWalker(CPU), torch.zeros(64, dtype=torch.int16)
+    for _ in range(3):
+        walker.walk(payload, [param])
+    assert len(copied) == 1
+    walker.walk(payload, [torch.zeros(64, dtype=torch.int16)])  # replaced: another address
+    walker.walk(payload, [param])  # and back
+    assert len(copied) == 3
 
 
 def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
