@@ -536,22 +536,27 @@ def test_without_a_group_a_worker_decides_alone():
 
 
 @pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
-def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_before_it_taken_back(backend):
-    """A payload refused before its walk wrote anything (it changes another count of elements than
-    its part's header says) is the step's error, and the payloads walked before it are taken back:
-    its own walk has nothing to undo (an undo that parsed it again would raise `UndoError`)."""
+@pytest.mark.parametrize("disagrees", ["changed", "dtype"])
+def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_before_it_taken_back(backend, disagrees):
+    """A payload refused before its walk wrote anything (it changes another count of elements, or
+    holds another type, than its part's header says) is the step's error, and the payloads walked
+    before it are taken back: its own walk has nothing to undo (an undo that parsed it again would
+    raise `UndoError`)."""
     old = torch.zeros(64, dtype=torch.int16)
     new = old.clone()
     new[[3, 9]] = 1
     data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
     table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
     good = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 step 2: payload 0")
-    bad = dataclasses.replace(good, key=(0, 1), names=("v",), changed=3, where="rank 0 step 2: payload 1")
+    bad = dataclasses.replace(good, key=(0, 1), names=("v",), where="rank 0 step 2: payload 1")
+    bad, message = {
+        "changed": (dataclasses.replace(bad, changed=3), "changes 2 elements, its header says 3"),
+        "dtype": (dataclasses.replace(bad, dtype=torch.float16), "is torch.bfloat16, expected torch.float16"),
+    }[disagrees]
     walker = apply.walker(backend, CPU)
     [moved, _] = apply.check(walker, [good, good], {"w": old, "v": old}.__getitem__)
     targets = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
-    message = "rank 0 step 2: payload 1 changes 2 elements, its header says 3"
-    with pytest.raises(FormatError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(FormatError, match=f"^{re.escape('rank 0 step 2: payload 1 ' + message)}$"):
         apply.apply(walker, [dataclasses.replace(good, moved=moved), bad], targets.__getitem__, None)
     assert not targets["w"].any() and not targets["v"].any()
 
