@@ -535,6 +535,25 @@ def test_without_a_group_a_worker_decides_alone():
         group.sum_partials(None, [1], KeyError("the failure"))
 
 
+def two_changes() -> Payload:
+    """A SPARSE payload of 64 zeros whose elements 3 and 9 become 1, its table one run of a parameter."""
+    old = torch.zeros(64, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 9]] = 1
+    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
+    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
+    return Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 step 2: payload 0")
+
+
+@pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
+def test_a_walk_undone_or_asked_what_it_wrote_before_it_applied_writes_nothing(backend):
+    """`_undo` takes back every walk the step made; one that never applied has nothing to take back."""
+    target = torch.zeros(64, dtype=torch.int16)
+    walk = apply.walker(backend, CPU).walk(two_changes(), [target])
+    walk.undo()
+    assert not walk.wrote(0) and not target.any()
+
+
 @pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
 @pytest.mark.parametrize("disagrees", ["changed", "dtype"])
 def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_before_it_taken_back(backend, disagrees):
@@ -542,12 +561,7 @@ def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_befor
     holds another type, than its part's header says) is the step's error, and the payloads walked
     before it are taken back: its own walk has nothing to undo (an undo that parsed it again would
     raise `UndoError`)."""
-    old = torch.zeros(64, dtype=torch.int16)
-    new = old.clone()
-    new[[3, 9]] = 1
-    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
-    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
-    good = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 step 2: payload 0")
+    old, good = torch.zeros(64, dtype=torch.int16), two_changes()
     bad = dataclasses.replace(good, key=(0, 1), names=("v",), where="rank 0 step 2: payload 1")
     bad, message = {
         "changed": (dataclasses.replace(bad, changed=3), "changes 2 elements, its header says 3"),
@@ -564,12 +578,7 @@ def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_befor
 def test_the_device_walks_table_is_copied_once_while_its_parameters_stay(monkeypatch):
     """A payload's table is copied to the device at its first walk, and again only when a parameter
     it names moved (the engine replaced it): every step in sync walks each payload once."""
-    old = torch.zeros(64, dtype=torch.int16)
-    new = old.clone()
-    new[[3, 9]] = 1
-    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
-    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
-    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    payload = two_changes()
     copied = []
     copy = device_walk.DeviceTable
     monkeypatch.setattr(device_walk, "DeviceTable", lambda *args: copied.append(args) or copy(*args))
@@ -586,12 +595,9 @@ def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
     """A table is cached per payload and holds addresses, not tensors: a parameter the engine
     replaced is freed, its replacement gets a table of its own, and a target that no longer fits
     where the table was built is refused, never written past."""
-    old = torch.zeros(64, dtype=torch.int16)
+    old, payload = torch.zeros(64, dtype=torch.int16), two_changes()
     new = old.clone()
     new[[3, 9]] = 1
-    data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
-    table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
-    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
     walker = apply.DeviceWalker(CPU)
     [moved] = apply.check(walker, [payload], {"w": old}.__getitem__)
     payload = dataclasses.replace(payload, moved=moved)
