@@ -547,9 +547,13 @@ def two_changes() -> Payload:
 
 @pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
 def test_a_walk_undone_or_asked_what_it_wrote_before_it_applied_writes_nothing(backend):
-    """`_undo` takes back every walk the step made; one that never applied has nothing to take back."""
+    """`_undo` takes back every walk the step made; one that never applied has nothing to take back,
+    checked (its changes hashed, none written) or not."""
     target = torch.zeros(64, dtype=torch.int16)
     walk = apply.walker(backend, CPU).walk(two_changes(), [target])
+    walk.undo()
+    assert not walk.wrote(0) and not target.any()
+    walk.check()
     walk.undo()
     assert not walk.wrote(0) and not target.any()
 
