@@ -58,6 +58,16 @@ def test_each_device_takes_the_walk_that_runs_there_by_default(monkeypatch):
     assert isinstance(apply.walker(None, CPU), apply.TorchWalker)
 
 
+def test_a_walker_reports_the_backend_it_is(store_url):
+    """`backend_of` is what a follower reports as `walks_with` (vLLM's `apply` stat): each walker
+    names its own backend, and a CPU follower that walks its payloads says it walks them on the CPU."""
+    for backend in (ApplyBackend.CPU_WALK, ApplyBackend.TORCH):
+        assert apply.backend_of(apply.walker(backend, CPU)) == backend
+    assert apply.backend_of(apply.DeviceWalker(CPU)) == ApplyBackend.DEVICE
+    publish(store_url)
+    assert follower(store_url, Engine(), ApplyBackend.CPU_WALK).walks_with == ApplyBackend.CPU_WALK
+
+
 def test_a_backend_that_cannot_run_where_it_is_asked_to_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^the CPU walk writes CPU parameters with numba, not parameters on cuda$"):
         apply.walker(ApplyBackend.CPU_WALK, CUDA)
@@ -525,16 +535,73 @@ def test_without_a_group_a_worker_decides_alone():
         group.sum_partials(None, [1], KeyError("the failure"))
 
 
-def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
-    """A table is cached per payload and holds addresses, not tensors: a parameter the engine
-    replaced is freed, its replacement gets a table of its own, and a target that no longer fits
-    where the table was built is refused, never written past."""
+def two_changes() -> Payload:
+    """A SPARSE payload of 64 zeros whose elements 3 and 9 become 1, its table one run of a parameter."""
     old = torch.zeros(64, dtype=torch.int16)
     new = old.clone()
     new[[3, 9]] = 1
     data = codec.encode(old.view(torch.bfloat16), new.view(torch.bfloat16))
     table = sparse_walk.Segments(np.array([[0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), 64)
-    payload = Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 payload 0")
+    return Payload((0, 0), data, 64, torch.bfloat16, 2, table, ("w",), 0, "rank 0 step 2: payload 0")
+
+
+@pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
+def test_a_walk_undone_or_asked_what_it_wrote_before_it_applied_writes_nothing(backend):
+    """`_undo` takes back every walk the step made; one that never applied has nothing to take back,
+    checked (its changes hashed, none written) or not."""
+    target = torch.zeros(64, dtype=torch.int16)
+    walk = apply.walker(backend, CPU).walk(two_changes(), [target])
+    walk.undo()
+    assert not walk.wrote(0) and not target.any()
+    walk.check()
+    walk.undo()
+    assert not walk.wrote(0) and not target.any()
+
+
+@pytest.mark.parametrize("backend", [ApplyBackend.CPU_WALK, ApplyBackend.TORCH])
+@pytest.mark.parametrize("disagrees", ["changed", "dtype"])
+def test_a_payload_that_disagrees_with_its_header_is_refused_and_the_walks_before_it_taken_back(backend, disagrees):
+    """A payload refused before its walk wrote anything (it changes another count of elements, or
+    holds another type, than its part's header says) is the step's error, and the payloads walked
+    before it are taken back: its own walk has nothing to undo (an undo that parsed it again would
+    raise `UndoError`)."""
+    old, good = torch.zeros(64, dtype=torch.int16), two_changes()
+    bad = dataclasses.replace(good, key=(0, 1), names=("v",), where="rank 0 step 2: payload 1")
+    bad, message = {
+        "changed": (dataclasses.replace(bad, changed=3), "changes 2 elements, its header says 3"),
+        "dtype": (dataclasses.replace(bad, dtype=torch.float16), "is torch.bfloat16, expected torch.float16"),
+    }[disagrees]
+    walker = apply.walker(backend, CPU)
+    [moved, _] = apply.check(walker, [good, good], {"w": old, "v": old}.__getitem__)
+    targets = {"w": torch.zeros(64, dtype=torch.int16), "v": torch.zeros(64, dtype=torch.int16)}
+    with pytest.raises(FormatError, match=f"^{re.escape('rank 0 step 2: payload 1 ' + message)}$"):
+        apply.apply(walker, [dataclasses.replace(good, moved=moved), bad], targets.__getitem__, None)
+    assert not targets["w"].any() and not targets["v"].any()
+
+
+def test_the_device_walks_table_is_copied_once_while_its_parameters_stay(monkeypatch):
+    """A payload's table is copied to the device at its first walk, and again only when a parameter
+    it names moved (the engine replaced it): every step in sync walks each payload once."""
+    payload = two_changes()
+    copied = []
+    copy = device_walk.DeviceTable
+    monkeypatch.setattr(device_walk, "DeviceTable", lambda *args: copied.append(args) or copy(*args))
+    walker, param = apply.DeviceWalker(CPU), torch.zeros(64, dtype=torch.int16)
+    for _ in range(3):
+        walker.walk(payload, [param])
+    assert len(copied) == 1
+    walker.walk(payload, [torch.zeros(64, dtype=torch.int16)])  # replaced: another address
+    walker.walk(payload, [param])  # and back
+    assert len(copied) == 3
+
+
+def test_the_device_walks_tables_hold_no_parameter_and_follow_one_replaced():
+    """A table is cached per payload and holds addresses, not tensors: a parameter the engine
+    replaced is freed, its replacement gets a table of its own, and a target that no longer fits
+    where the table was built is refused, never written past."""
+    old, payload = torch.zeros(64, dtype=torch.int16), two_changes()
+    new = old.clone()
+    new[[3, 9]] = 1
     walker = apply.DeviceWalker(CPU)
     [moved] = apply.check(walker, [payload], {"w": old}.__getitem__)
     payload = dataclasses.replace(payload, moved=moved)
