@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Verdict, bitwise_equal, verdict
-from lightning_delta import bitpack, codec, compressors, wire
+from lightning_delta import bitpack, codec, compressors, decoder, wire
 from lightning_delta.codec import CodecOptions, Compressor, Context, Mode, ValueCoding
 from lightning_delta.errors import FormatError
 from lightning_delta.format import DType
@@ -1029,3 +1029,12 @@ def test_a_diff_read_again_at_the_changed_positions_is_the_diff_and_refuses_valu
         codec.diff_at(old, changed, count, lambda index: new[index])  # bf16, not its bits
     with pytest.raises(ValueError, match="new_at gave"):
         codec.diff_at(old, changed, count, lambda index: new.view(torch.int16)[index][1:])
+
+
+def test_an_output_this_machine_cannot_allocate_is_a_format_error_that_names_it():
+    """A header may declare up to `MAX_ELEMENTS` elements: where the decoder's output buffer cannot
+    be allocated, the caller gets a `FormatError` saying so (not torch's `RuntimeError`), and a
+    follower keeps the step it holds.  2**62 bf16 elements: the allocator refuses at once."""
+    message = r"^cannot allocate 4611686018427387904 elements of torch\.bfloat16 on cpu$"
+    with pytest.raises(FormatError, match=message):
+        decoder._empty(2**62, torch.bfloat16, torch.device("cpu"))
