@@ -1038,3 +1038,39 @@ def test_an_output_this_machine_cannot_allocate_is_a_format_error_that_names_it(
     message = r"^cannot allocate 4611686018427387904 elements of torch\.bfloat16 on cpu$"
     with pytest.raises(FormatError, match=message):
         decoder._empty(2**62, torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int16])
+def test_every_diff_finds_exactly_the_changed_elements_at_any_length_and_alignment(dtype):
+    """A delta's checksum is folded from the change `diff` finds, so a changed element it missed
+    would ship other weights with a matching checksum: `diff`, `diff_counted` and `diff_at` each
+    give exactly the positions whose bits differ, their old and new bits, the tensor's size and
+    dtype, and the old exponent bytes only where asked (a float dtype), for every length (the
+    fast path compares four elements per word, the last one to three apart) and for views whose
+    old or new side starts off a word (the element-by-element path; an offset of 5 is off a word
+    too).  Kills the mutants of `diff`'s word test, its element-by-element path and the defaults
+    (the eleventh pass in docs/RELIABILITY.md)."""
+    gen = torch.Generator().manual_seed(7)
+    for numel in [1, 2, 3, 4, 5, 7, 8, 9, 13, 64]:
+        for at_old, at_new in [(0, 0), (1, 1), (1, 0), (0, 1), (2, 0), (0, 3), (3, 2), (5, 0), (0, 5), (4, 8)]:
+            old_bits = torch.randint(-(2**15), 2**15, (numel + at_old,), dtype=torch.int16, generator=gen)[at_old:]
+            new_bits = torch.empty(numel + at_new, dtype=torch.int16)[at_new:]
+            flip = torch.rand(numel, generator=gen) < 0.4
+            new_bits.copy_(torch.where(flip, old_bits ^ 0x0101, old_bits))
+            old, new = old_bits.view(dtype), new_bits.view(dtype)
+            index = torch.nonzero(flip).squeeze(1)
+            count = len(index)
+            for exponents in (False, True):
+                classes = codec.exponent_bytes(old) if exponents and dtype != torch.int16 else None
+                asked = {"exponents": True} if exponents else {}  # without it, the default: none
+                for change in (
+                    codec.diff(old, new, **asked),
+                    codec.diff_counted(old, new, flip, count, **asked),
+                    codec.diff_at(old, flip, count, lambda i, bits=new_bits: bits[i], **asked),
+                ):
+                    case = (numel, at_old, at_new, exponents)
+                    assert torch.equal(change.index, index), case
+                    assert torch.equal(change.old, old_bits[index]) and torch.equal(change.new, new_bits[index]), case
+                    assert (change.numel, change.dtype) == (numel, dtype), case
+                    assert (change.exponents is None) == (classes is None), case
+                    assert classes is None or torch.equal(change.exponents, classes), case
