@@ -193,6 +193,28 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
         assert_state(tensors, truth[step])
 
 
+def test_a_replay_follower_polling_while_a_mirror_writes_markers_never_skips_a_step():
+    """The killed-at-random test's follower, handed 10 after 6 once under load: its poll looked into
+    steps 7-9 before the mirror wrote their markers and into 10 after (in order).  A poll looks
+    newest first: a step listed then has every step before it the mirror wrote listed too."""
+    source = DictObjects()
+    publish(source, 10)
+    later = {k: v for k, v in source.objects.items() if "commit" in k and 7 <= (fmt.parse_step_key(k) or 0)}
+    mirror = DictObjects("dict://m")
+    mirror.objects = {k: v for k, v in source.objects.items() if k not in later}  # blobs of 7-10 there
+
+    def poll_at(key: str) -> list[str]:  # the mirror writes 7-10's markers just after the poll's
+        found = DictObjects.list(mirror, key)  # first look into a step's folder
+        if key.startswith(f"{fmt.block_dir(0)}/"):
+            mirror.objects.update(later)
+            later.clear()
+        return found
+
+    mirror.list = poll_at
+    listed = DeltaLoader(Store(mirror)).steps(after=6)
+    assert not later and listed == [7, 8, 9]  # 10 looked into first, before its marker: at the next poll
+
+
 @pytest.mark.parametrize("held_up", [0.0, 100.0])
 def test_each_source_object_is_read_once_across_passes(monkeypatch, held_up):
     """`held_up`: the mirror, waiting at step 5, is overdue at step 6 and lists the source, so it
