@@ -199,7 +199,7 @@ def test_a_replay_follower_polling_while_a_mirror_writes_markers_never_skips_a_s
     newest first: a step listed then has every step before it the mirror wrote listed too."""
     source = DictObjects()
     publish(source, 10)
-    later = {k: v for k, v in source.objects.items() if "commit" in k and 7 <= (fmt.parse_step_key(k) or 0)}
+    later = {k: v for k, v in source.objects.items() if "commit" in k and (fmt.parse_step_key(k) or 0) >= 7}
     mirror = DictObjects("dict://m")
     mirror.objects = {k: v for k, v in source.objects.items() if k not in later}  # blobs of 7-10 there
 
@@ -1461,7 +1461,9 @@ def test_a_late_delta_is_not_copied_before_the_base_that_makes_retention_delete_
     5 at the source as for a late part."""
     shared, mirror = DictObjects(), DictObjects("dict://m")
     truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
-    later = {s: {k: shared.objects.pop(k) for k in list(shared.objects) if k.startswith(fmt.step_dir(s))} for s in (6, 7, 8)}
+    later = {
+        s: {k: shared.objects.pop(k) for k in list(shared.objects) if k.startswith(fmt.step_dir(s))} for s in (6, 7, 8)
+    }
     # 5 is lost at once at the source (not before `missing_after` else): 6 is damage, passed over at 7
     with Mirror(Store(shared), Store(mirror), MirrorSettings(list_seconds=1e-9, missing_after=0.0)) as m:
         assert m.sync().mirror_step == 5
