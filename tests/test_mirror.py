@@ -193,6 +193,28 @@ def test_a_mirror_killed_at_random_points_resumes_and_never_writes_an_object_twi
         assert_state(tensors, truth[step])
 
 
+def test_a_replay_follower_polling_while_a_mirror_writes_markers_never_skips_a_step():
+    """The killed-at-random test's follower, handed 10 after 6 once under load: its poll looked into
+    steps 7-9 before the mirror wrote their markers and into 10 after (in order).  A poll looks
+    newest first: a step listed then has every step before it the mirror wrote listed too."""
+    source = DictObjects()
+    publish(source, 10)
+    later = {k: v for k, v in source.objects.items() if "commit" in k and (fmt.parse_step_key(k) or 0) >= 7}
+    mirror = DictObjects("dict://m")
+    mirror.objects = {k: v for k, v in source.objects.items() if k not in later}  # blobs of 7-10 there
+
+    def poll_at(key: str) -> list[str]:  # the mirror writes 7-10's markers just after the poll's
+        found = DictObjects.list(mirror, key)  # first look into a step's folder
+        if key.startswith(f"{fmt.block_dir(0)}/"):
+            mirror.objects.update(later)
+            later.clear()
+        return found
+
+    mirror.list = poll_at
+    listed = DeltaLoader(Store(mirror)).steps(after=6)
+    assert not later and listed == [7, 8, 9]  # 10 looked into first, before its marker: at the next poll
+
+
 @pytest.mark.parametrize("held_up", [0.0, 100.0])
 def test_each_source_object_is_read_once_across_passes(monkeypatch, held_up):
     """`held_up`: the mirror, waiting at step 5, is overdue at step 6 and lists the source, so it
@@ -1175,7 +1197,7 @@ def test_a_caught_up_mirror_reports_no_lag_for_a_step_below_its_newest_that_neve
     """A marker whose blob never reaches a replicated source, below the newest step the mirror
     holds: the mirror is not behind, its lag (what `--follow` shows) does not grow, and, lost, the
     blob holds nothing back (no stop, no listing at each pass); it is passed over for good (base 7
-    needs nothing older: not copied if it comes, as a restarted mirror does).  Step 6,
+    needs nothing older: not copied if it comes; a restarted mirror would list it again).  Step 6,
     before base 7: a step after it would chain through it, and be held (every listed step loads)."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     publish(shared, 8, base_every=6)  # bases at 1 and 7
@@ -1292,9 +1314,10 @@ def test_the_mirror_command_follows_a_stalled_mirrors_growing_lag_without_a_line
 
 
 def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_through_it(monkeypatch):
-    """Bases 1 and 7, mirrored to 8; step 6's marker comes late and its blob never does, then 10, 11
-    and 12 are published (no 9: only a listing finds 10). The hole holds nothing above 8 back (a
-    hole lower down would hold the deltas after it, which chain through it: every listed step loads)."""
+    """Bases 1 and 7, mirrored to 8 while 4-6 were not at the source (a replica); then 4's marker
+    comes and its blob never does, 5 and 6 (deltas on 4) come whole, and 10, 11 and 12 are published
+    (no 9: only a listing finds 10).  The hole holds back 5 and 6, which chain through it (every
+    listed step loads), and nothing above 8."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM()
@@ -1304,12 +1327,11 @@ def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_throu
             truth[step] = train(None, model, 1, seed=step)[1]
             publisher.publish(step)
         publisher.flush()
-        key = fmt.commit_path(6, 0, 1)
-        marker = shared.objects.pop(key)
+        late = {k: shared.objects.pop(k) for k in list(shared.objects) if fmt.parse_step_key(k) in (4, 5, 6)}
         with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
             assert m.sync().mirror_step == 8
-            shared.objects[key] = marker
-            watched.hidden.add(fmt.blob_path(6, 0, 1))
+            shared.objects.update(late)
+            watched.hidden.add(fmt.blob_path(4, 0, 1))
             for step in (10, 11, 12):
                 truth[step] = train(None, model, 1, seed=step)[1]
                 publisher.publish(step)
@@ -1319,7 +1341,7 @@ def test_a_hole_below_the_newest_step_holds_back_only_the_steps_that_chain_throu
                 metrics = m.sync()
                 clock[0] += 10.0
     assert metrics.mirror_step == 12 and metrics.stopped_at is None
-    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 7, 8, 10, 11, 12])
+    assert_loads(Store(mirror), truth, [1, 2, 3, 7, 8, 10, 11, 12])
 
 
 def test_a_pass_that_copies_steps_and_then_raises_moves_the_missing_clock_on(monkeypatch):
@@ -1426,5 +1448,31 @@ def test_a_late_delta_whose_previous_step_the_mirrors_retention_deletes_is_not_c
         shared.objects.update(six)
         metrics = m.sync()
     assert metrics.mirror_step == 8 and metrics.stopped_at is None and metrics.steps_deleted == 5
+    assert fmt.commit_path(6, 0, 1) not in mirror.objects
+    assert_loads(Store(mirror), truth, [7, 8])
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_late_delta_is_not_copied_before_the_base_that_makes_retention_delete_its_previous_step(passes):
+    """As `-k mirrors_retention_deletes`, but the mirror holds 1-5 only when the source (a replica)
+    has deleted 1-5 and holds 6 (late), 7 and 8: base 7 is copied in the same pass as 6 (`passes`
+    1), or the pass after it (2: 6 there before 7).  Either way the mirror then deletes 1-5, so 6,
+    a delta on 5, is never copied (review rmir51's R1, R1b: listed, and did not load): it waits for
+    5 at the source as for a late part."""
+    shared, mirror = DictObjects(), DictObjects("dict://m")
+    truth = publish(shared, 8, base_every=6)  # bases at 1 and 7
+    later = {
+        s: {k: shared.objects.pop(k) for k in list(shared.objects) if k.startswith(fmt.step_dir(s))} for s in (6, 7, 8)
+    }
+    # 5 is lost at once at the source (not before `missing_after` else): 6 is damage, passed over at 7
+    with Mirror(Store(shared), Store(mirror), MirrorSettings(list_seconds=1e-9, missing_after=0.0)) as m:
+        assert m.sync().mirror_step == 5
+        delete_steps(Store(shared), [1, 2, 3, 4, 5])
+        shared.objects.update(later[6])
+        if passes == 2:
+            assert m.sync().mirror_step == 5
+        shared.objects.update(later[7] | later[8])
+        metrics = m.sync()
+    assert metrics.mirror_step == 8 and metrics.steps_deleted == 5
     assert fmt.commit_path(6, 0, 1) not in mirror.objects
     assert_loads(Store(mirror), truth, [7, 8])

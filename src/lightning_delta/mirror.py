@@ -27,8 +27,9 @@ created exclusively and only missing ones are written, so a mirror killed at any
 where it stopped; an object already at the mirror must be identical.  Each source object is read
 once (a damaged one again until it heals).  A damaged source object is never copied: the mirror
 stops at its step, says which object, and goes on once the source heals, or from a newer base that
-does not need it (a stop below the newest base it holds, running or restarted, does not hold back
-the steps from there on, and damage there is passed over for good); a damaged bridge is left out,
+does not need it (a stop below the newest base it holds does not hold back the steps from there
+on; damage there is passed over for good, and with it every step below that base not copied yet,
+late ones too, until the mirror restarts and lists them again); a damaged bridge is left out,
 and its base copied without it (and the bridge after it, if it heals while that base is the newest
 copied and the mirror has not restarted).  A blob whose marker is there but which is not (a
 replicated source), or the previous part a delta applies to, is waited for, `missing_after`
@@ -114,9 +115,10 @@ class MirrorSettings:
     only while the mirror stands still: from the first pass that finds it missing after the pass
     that last moved the mirror's newest step on (one found missing while the mirror was held at an
     earlier step counts again from then), so only a mirror held that long calls it lost.  An object
-    missing below the mirror's newest step (a hole it already serves past) holds nothing back:
-    copied if it comes in time, passed over for good once lost (the mirror's newest base needs
-    nothing older)."""
+    missing below the mirror's newest step (a hole it already serves past) holds back only the
+    late steps between it and that step (they may chain through it): copied if it comes in time;
+    once lost, passed over for good with every step below the mirror's newest base not copied yet
+    (its newest base needs nothing older; a restarted mirror lists them again)."""
 
     def __post_init__(self) -> None:
         if self.keep_bases is not None and self.keep_bases < 1:
@@ -627,8 +629,12 @@ class Mirror:
         rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
         fills out of order), or is below what the mirror's retention keeps, so that every step
         listed at the mirror loads.  That part is missing as
-        a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock."""
-        kept = (self._floor or 0) if self.settings.keep_bases is not None else min(self._oldest, self._below)
+        a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock.
+        Following the source's retention, a part below the source's oldest step is deleted at the
+        mirror once it holds a newer base, which the source holds and the mirror copies (in this
+        pass or a later one).  With `keep_bases`, no delta the mirror lists applies to a step below
+        its cutoff (a base at or above it comes between)."""
+        kept = self._oldest if self.settings.keep_bases is None else 0
         for o in ready:
             if o.part.bridge or o.prev is None or (o.prev in self._done and o.prev >= kept):
                 continue

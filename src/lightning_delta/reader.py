@@ -58,7 +58,10 @@ class ChainReader:
             return []
         if after is None:  # a full listing: steps deleted by retention drop out
             self._complete &= set(listed)
-        for step in listed:
+        # Newest first: a writer completes steps in commit order (a trainer, a mirror), so a step
+        # looked at after a newer one found complete is complete too; oldest first, steps completed
+        # during the poll would show a newer one without those before it (a replay would skip them).
+        for step in reversed(listed):
             if step not in self._complete and self.store.is_complete(step, run.world_size):
                 self._complete.add(step)
         return [s for s in listed if s in self._complete]
