@@ -224,8 +224,8 @@ MULTI_PROCESS = (
         "exchange-error-type",
         "the others raise the failing rank's DeltaError subclass",
         "replica.py",
-        '        raise errors.by_name(kind)(f"worker {src} of the group: {message}") from cause\n',
-        '        raise DeltaError(f"worker {src} of the group: {message}") from cause\n',
+        "        raise errors.by_name(kind)(message) from cause\n",
+        "        raise DeltaError(message) from cause\n",
         (COLLECTIVES,),
     ),
     Mutant(
