@@ -189,6 +189,11 @@ class _Part(NamedTuple):
     def blob_key(self) -> str:
         return fmt.blob_path(self.step, self.rank, self.world_size, bridge=self.bridge)
 
+    @property
+    def marker_name(self) -> str:
+        """The marker's name in its step's folder (what a listing of the folder gives)."""
+        return self.marker_key.rsplit("/", 1)[1]
+
 
 class _Ready(NamedTuple):
     """A part whose blob is at the mirror, checked; its marker still to write (unless `there`)."""
@@ -600,7 +605,7 @@ class Mirror:
                 writes = [o for o in ready if o.part.bridge == bridge and not o.there]
                 for done in [self._pool.submit(self._write, o.part.marker_key, o.marker) for o in writes]:
                     done.result()
-            at_mirror.setdefault(step, set()).update(o.part.marker_key.rsplit("/", 1)[1] for o in ready)
+            at_mirror.setdefault(step, set()).update(o.part.marker_name for o in ready)
             with self._lock:
                 self._checked.update(o.part.marker_key for o in ready)
                 for part in names[step] if step in complete else ():  # done with for good
@@ -628,8 +633,8 @@ class Mirror:
         """Why a step whose parts are ready is held: a delta part whose previous part (the same
         rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
         fills out of order), or is below what the mirror's retention keeps, so that every step
-        listed at the mirror loads.  That part is missing as
-        a blob whose marker the source holds is (`MirrorSettings.missing_after`), on the same clock.
+        listed at the mirror loads.  That part is missing as a blob whose marker the source holds
+        is (`MirrorSettings.missing_after`), on the same clock.
         Following the source's retention, a part below the source's oldest step is deleted at the
         mirror once it holds a newer base, which the source holds and the mirror copies (in this
         pass or a later one).  With `keep_bases`, no delta the mirror lists applies to a step below
@@ -643,7 +648,7 @@ class Mirror:
                 return self._not_there(prev.marker_key)
             if o.prev not in at_mirror:  # not pending in this pass: what the mirror holds of it
                 at_mirror[o.prev] = set(self.destination.objects.list(fmt.step_dir(o.prev)))
-            if prev.marker_key.rsplit("/", 1)[1] not in at_mirror[o.prev]:
+            if prev.marker_name not in at_mirror[o.prev]:
                 return self._not_there(prev.marker_key)
         return None
 
