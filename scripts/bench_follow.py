@@ -15,7 +15,8 @@ then follows steps 1-6 in sync:
   caller that wants full tensors does);
 * before: `apply_to(module, step)` of the code under `--before` (an earlier checkout's `src`).
 
-Reported per path: each step's time over a warm `copy_` of the whole model, the ratio of the 0.5%
+Reported per path: the base step's time (a replica joining: a fresh process, so its kernels' first
+load is in it) and each step's over a warm `copy_` of the whole model, the ratio of the 0.5%
 steps to the 2% steps, the follower's peak resident memory beyond the module while following
 (Linux's VmHWM, reset after the base), and that the module ends bit-exact.  Then the patch path
 with a replica of two workers (gloo), each decoding half the trainer ranks: per-worker decode
@@ -139,7 +140,9 @@ def follow(url: str, path: str, tensors: int, numel: int, rank: int = 0, world: 
             for name, t in state.items():
                 module.get_submodule(name.rsplit(".", 1)[0]).weight.copy_(t)
 
-    load(0)
+    started = time.perf_counter()
+    load(0)  # a replica joining: a fresh process's first base step, compiling or loading its kernels included
+    base = time.perf_counter() - started
     reset_peak()
     seconds, decode = {}, {}
     for step in range(1, 7):
@@ -156,7 +159,7 @@ def follow(url: str, path: str, tensors: int, numel: int, rank: int = 0, world: 
         )
         for i in range(tensors)
     )
-    return {"copy": copy, "seconds": seconds, "decode": decode, "peak": peak, "exact": exact}
+    return {"copy": copy, "base": base, "seconds": seconds, "decode": decode, "peak": peak, "exact": exact}
 
 
 def run_follower(url: str, path: str, tensors: int, numel: int, src: str | None = None, world: int = 1) -> list[dict]:
@@ -188,13 +191,15 @@ def main() -> None:
             f"{time.perf_counter() - started:.1f} s; steps 1-3 change 2%, 4-6 change 0.5%; one CPU thread\n"
         )
         paths = [("patch", None), ("full", None)] + ([("before", args.before)] if args.before else [])
-        print("| path | step 1 | 2 | 3 | 4 | 5 | 6 (x a warm copy) | 0.5% / 2% | peak beyond the module | exact |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        print(
+            "| path | base step (join) | step 1 | 2 | 3 | 4 | 5 | 6 (x a warm copy) | 0.5% / 2% "
+            "| peak beyond the module | exact |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        )
         for path, src in paths:
             (r,) = run_follower(url, "full" if path == "full" else "patch", args.tensors, args.numel, src)
             ratio = [r["seconds"][str(s)] / r["copy"] for s in range(1, 7)]
             small = sum(ratio[3:]) / sum(ratio[:3])
-            cells = " | ".join(f"{x:.1f}" for x in ratio)
+            cells = " | ".join(f"{x:.1f}" for x in [r["base"] / r["copy"], *ratio])
             peak = f"{r['peak'] / model:.2f}x ({r['peak'] / 1e6:.0f} MB)"
             print(f"| {path} | {cells} | {small:.2f} | {peak} | {r['exact']} |")
         print(f"\n(warm copy of the whole model: {r['copy'] * 1e3:.0f} ms)\n")

@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -1074,3 +1075,21 @@ def test_every_diff_finds_exactly_the_changed_elements_at_any_length_and_alignme
                     assert (change.numel, change.dtype) == (numel, dtype), case
                     assert (change.exponents is None) == (classes is None), case
                     assert classes is None or torch.equal(change.exponents, classes), case
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(DTYPES), st.lists(bit_patterns, max_size=300), st.booleans())
+def test_a_raw_payload_decodes_bit_exactly_by_either_pass(compiled, dtype, bits, strided):
+    """A RAW payload (both value codings: bf16's exponent planes, other dtypes' byte planes), decoded
+    by torch's passes and by the compiled one (large CPU tensors), into a fresh tensor or an `out`
+    (strided: the compiled pass only; torch's views a float16 `out` as byte pairs), is the tensor it
+    was made from."""
+    new = as_tensor(bits, dtype)
+    payload = codec.encode(None, new)
+    out = torch.zeros(2 * len(bits), dtype=dtype)[:: 2 if compiled else 1][: len(bits)] if strided else None
+    with mock.patch.object(decoder, "_COMPILED_FROM", 0 if compiled else 1 << 62):
+        got = codec.decode(None, payload, numel=len(bits), dtype=dtype, out=out)
+    assert bitwise_equal(got, new)
+    if strided:
+        assert got.data_ptr() == out.data_ptr() and bitwise_equal(out, new)

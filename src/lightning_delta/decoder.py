@@ -4,9 +4,11 @@ reads of it (`decode_patch`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,6 +20,11 @@ from .packed import Change, Mode, Packed, ValueCoding, check_tensor
 from .wire import parse
 
 __all__ = ["Decoded", "Patch", "Steps", "decode_change", "decode_patch", "decode_steps", "iter_steps"]
+
+_COMPILED_FROM = 1 << 16
+"""Elements from which a RAW payload is assembled on the CPU in one compiled pass (numba): torch's
+six passes over int16 temporaries cost several times more, and its threads stall beside other
+work; below it a process never imports numba."""
 
 
 @dataclass(frozen=True)
@@ -161,9 +168,15 @@ def iter_steps(
     sections = [s.to(device) for s in packed.sections]
     if packed.mode == Mode.RAW:
         whole = _empty(numel, dtype, device) if out is None else out
-        if packed.values == ValueCoding.EXPONENT:
-            exponent, sign_mantissa = sections[0].to(torch.int16), sections[1].to(torch.int16)
-            whole.view(torch.int16).copy_((sign_mantissa & 0x80) << 8 | exponent << 7 | sign_mantissa & 0x7F)
+        exponent = packed.values == ValueCoding.EXPONENT
+        if device.type == "cpu" and numel >= _COMPILED_FROM:
+            first, second = (section.numpy() for section in sections)
+            if len(first) != numel or len(second) != numel:  # `parse` sizes them; the kernel reads unchecked
+                raise FormatError(f"a RAW payload of {numel} elements has planes of {len(first)} and {len(second)}")
+            _assemble()(first, second, exponent, whole.detach().view(torch.int16).numpy())
+        elif exponent:
+            exponent_bits, sign_mantissa = sections[0].to(torch.int16), sections[1].to(torch.int16)
+            whole.view(torch.int16).copy_((sign_mantissa & 0x80) << 8 | exponent_bits << 7 | sign_mantissa & 0x7F)
         else:
             pairs = whole.view(torch.uint8).view(-1, 2)
             pairs[:, 0].copy_(sections[0])
@@ -183,6 +196,21 @@ def iter_steps(
         yield Steps(index, step[by_position])
         return
     yield from _sparse_steps(packed, sections, device, chunk)
+
+
+def _assembled(first: np.ndarray, second: np.ndarray, exponent: bool, out: np.ndarray) -> None:
+    """A RAW payload's elements from its two byte planes, into `out` (int16), in one pass."""
+    for j in range(len(out)):
+        a, b = np.int32(first[j]), np.int32(second[j])
+        value = ((b & 0x80) << 8) | (a << 7) | (b & 0x7F) if exponent else a | (b << 8)
+        out[j] = value  # the low 16 bits, as int16
+
+
+@functools.cache
+def _assemble() -> Callable[[np.ndarray, np.ndarray, bool, np.ndarray], None]:
+    import numba
+
+    return numba.njit(cache=True, nogil=True, boundscheck=False)(_assembled)
 
 
 def _sparse_steps(packed: Packed, sections: list[Tensor], device: torch.device, chunk: int | None) -> Iterator[Steps]:

@@ -2,8 +2,8 @@
 puts it, and hash it into this worker's share of the payload's checksum.
 
 A base step writes every element, so joining costs what loading costs only if each element is
-touched once: torch's eager decode makes the whole payload as a temporary, the checksum hashes it
-in some ten passes over int64 temporaries, and a verify-then-write follower did both twice.
+touched once: a decode makes the whole payload as a temporary, the checksum hashes it in another
+pass, and a verify-then-write follower then copies it into place.
 Compiled by numba (nogil, so payloads go side by side on threads), the walk reads the payload's
 decompressed byte planes once and only over the segments this worker holds; the checksum is a sum
 over positions, so the owned segments' shares, summed over the group, are the payload's checksum.
