@@ -585,3 +585,18 @@ def test_a_replay_follower_hands_out_a_step_whose_folder_appears_after_the_next_
         assert (followed.step, followed.skipped) == (step, ())
         assert_exact(followed, truth)
     follower.close()
+
+
+def test_a_replay_follower_takes_a_base_after_a_step_that_never_comes_as_before(small_chain):
+    """Step 6 never there (lost, a real hole): the poll looks at it once a poll, finds it missing
+    and returns 7 as before; the follower holding 5 takes 7 from its base, then 8 and 9."""
+    objects, truth = small_chain
+    store = DictObjects()
+    store.objects = {k: v for k, v in objects.items() if fmt.parse_step_key(k) != 6}
+    loader = DeltaLoader(Store(store))
+    loader.state_dict(5)
+    seen = []
+    for followed in until(loader.follow(FollowSettings(poll_seconds=0.001, jump=False, timeout=60)), 9):
+        assert_exact(followed, truth)
+        seen.append((followed.step, followed.skipped))
+    assert seen == [(7, ()), (8, ()), (9, ())]

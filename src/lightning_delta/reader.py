@@ -39,7 +39,7 @@ class ChainReader:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._complete: set[int] = set()
-        self._linked: set[int] = set()  # steps after the last `after` whose previous step is known complete
+        self._prev: dict[int, int | None] = {}  # steps after the last `after`: the previous step their marker names
         self._ahead: dict[int, list[fmt.PartRef]] = {}  # rank 0's refs the poll read: its fetch reads no marker again
 
     def steps(self, after: int | None = None) -> list[int]:
@@ -71,7 +71,7 @@ class ChainReader:
         found = [s for s in listed if s in self._complete]
         if after is None or not found:
             return found
-        self._linked = {s for s in self._linked if s > after}
+        self._prev = {s: prev for s, prev in self._prev.items() if s > after}
         self._ahead = {s: refs for s, refs in self._ahead.items() if s > after}
         return sorted(found + self._close(found[0], after, run.world_size))
 
@@ -83,27 +83,28 @@ class ChainReader:
         the time a newer one is looked into.  `step`'s rank-0 marker names its previous step (a
         base's bridge does); one not complete here is looked at directly, and so on down.  The
         markers read are kept for the fetch, so following in sync reads none twice; only a step
-        missed costs more (a listing of its folder and its marker).  A previous step not there (yet)
-        is left to the fetch, which meets it as a hole, as before (`MissingObjectError`).
+        missed costs more (a listing of its folder and its marker, which its fetch takes).  A
+        previous step not there (yet) is left to the fetch, which meets it as a hole, as before
+        (`MissingObjectError`), and looked at again at each poll until it comes.
         """
         missed: list[int] = []
-        while step not in self._linked:
-            try:
-                refs = self.store.part_refs(step, 0, world)
-            except StoreError:
-                raise
-            except DeltaError:  # a bad marker: the fetch meets it too, and says so there
-                break
-            self._ahead[step] = refs
-            prev = next((r.prev_step for r in refs if r.kind == fmt.Kind.DELTA), None)
-            if prev is not None and prev > after:  # older than `step`, the oldest step returned
-                if prev not in self._complete and not self.store.is_complete(prev, world):
+        while True:
+            if step not in self._prev:  # each step's marker is read once
+                try:
+                    refs = self.store.part_refs(step, 0, world)
+                except StoreError:
+                    raise
+                except DeltaError:  # a bad marker: the fetch meets it too, and says so there
                     break
-                self._complete.add(prev)
-                missed.append(prev)
-            self._linked.add(step)
+                self._ahead[step] = refs
+                self._prev[step] = next((r.prev_step for r in refs if r.kind == fmt.Kind.DELTA), None)
+            prev = self._prev[step]
             if prev is None or prev <= after:
                 break
+            if prev not in self._complete and not self.store.is_complete(prev, world):
+                break
+            self._complete.add(prev)
+            missed.append(prev)
             step = prev
         return missed
 
