@@ -418,45 +418,23 @@ def small_chain() -> tuple[dict[str, bytes], dict[int, dict[str, torch.Tensor]]]
     return objects.objects, truth
 
 
-class _RevealingAtEachListing(Revealing):
-    """Shows the next batch at every listing, not only at each poll's first: a step's folder can
-    appear after the poll listed the block, before the newer steps are looked into."""
-
-    def list(self, key: str) -> list[str]:
-        if key != "steps":
-            self._reveal()
-        return super().list(key)
-
-
-@pytest.mark.parametrize("jump", [True, False], ids=["jump", "replay"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_a_follower_on_a_store_that_fills_out_of_order_hands_out_only_exact_steps(small_chain, jump, data, caplog):
+def test_a_follower_on_a_store_that_fills_out_of_order_hands_out_only_exact_steps(small_chain, data, caplog):
     """Markers before their blobs, steps before the steps they chain to, the run manifest last: a
-    step that is not complete yet is neither handed out, nor skipped, nor warned about at each poll.
-    A replay follower, with the markers in commit order (a mirror's: its blobs in any order, each
-    step's folder appearing at any listing), is handed every step after the first in order."""
+    step that is not complete yet is neither handed out, nor skipped, nor warned about at each poll."""
     objects, truth = small_chain
     order = data.draw(st.permutations(sorted(objects)))
-    if not jump:  # a mirror's: the blobs of a few steps at once in any order, then their markers in commit order
-        ends = sorted(data.draw(st.sets(st.integers(1, 8))) | {9})
-        order = [fmt.RUN_MANIFEST]
-        for low, high in itertools.pairwise([0, *ends]):
-            held = [k for k in objects if low < (fmt.parse_step_key(k) or 0) <= high]
-            order += data.draw(st.permutations(sorted(k for k in held if not k.endswith(".commit"))))
-            order += sorted(
-                (k for k in held if k.endswith(".commit")), key=lambda k: (k.split("/")[2], ".bridge." not in k)
-            )
     batches = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=6).filter(any))
     caplog.clear()
     caplog.set_level(logging.DEBUG, logger="lightning_delta")
-    loader = DeltaLoader(Store((Revealing if jump else _RevealingAtEachListing)(objects, order, batches)))
+    loader = DeltaLoader(Store(Revealing(objects, order, batches)))
     seen = []
-    for followed in until(loader.follow(FollowSettings(poll_seconds=0.001, jump=jump, timeout=60)), 9):
+    for followed in until(loader.follow(FollowSettings(poll_seconds=0.001, timeout=60)), 9):
         assert_exact(followed, truth)
         assert followed.skipped == ()
         seen.append(followed.step)
-    assert seen[-1] == 9 and seen == (sorted(set(seen)) if jump else list(range(seen[0], 10)))
+    assert seen[-1] == 9 and seen == sorted(set(seen))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert all("no complete step yet" in w for w in warnings), warnings
 
@@ -558,33 +536,38 @@ def test_steps_newer_than_a_hole_are_tried_as_soon_as_an_older_one_is_taken(smal
     follower.close()
 
 
-@pytest.mark.parametrize("late", [8, 6], ids=["before_a_delta", "before_a_base"])
-def test_a_replay_follower_hands_out_a_step_whose_folder_appears_after_the_next_ones(small_chain, late):
-    """Step `late`'s folder appears just after the poll listed the block (a mirror writing several
-    steps' blobs at once, a replicated bucket), complete before the next step is looked into: a
-    replay follower holding `late - 1` is handed `late`, then the next step (before: the next step,
+def test_a_replay_follower_hands_out_a_step_whose_folder_appears_after_the_next_ones(small_chain):
+    """Step `late`'s folder appears during a poll, after the block's listing (a mirror writing
+    several steps' blobs at once, a replicated bucket), with the markers of the steps after it (in
+    commit order): when the poll looks into step `shown_at` (newest first).  A replay follower
+    holding `late - 1` is handed `late`, then the next step (before: the next step,
     through `late`'s part or from its base, and never `late`).  The next step's marker names `late`
-    as its previous step (a delta's own, a base's bridge's), so the poll looks at `late` directly."""
+    as its previous step (a delta's own, a base's bridge's), so the poll looks at `late` directly.
+    Every place of the gap in the chain (bases at 1, 4 and 7), shown at the next step or the newest."""
     objects, truth = small_chain
-    hidden = {k: v for k, v in objects.items() if fmt.parse_step_key(k) == late}
-    store = DictObjects()
-    store.objects = {k: v for k, v in objects.items() if k not in hidden}
+    for late, shown_at in [(k, m) for k in range(2, 9) for m in sorted({k + 1, 9})]:
+        hidden = {
+            k: v
+            for k, v in objects.items()
+            if fmt.parse_step_key(k) == late or (k.endswith(".commit") and (fmt.parse_step_key(k) or 0) > late)
+        }
+        store = DictObjects()
+        store.objects = {k: v for k, v in objects.items() if k not in hidden}
 
-    def listing(key: str) -> list[str]:
-        found = DictObjects.list(store, key)
-        if key == fmt.block_dir(0):  # after the block's listing, before the steps are looked into
-            store.objects.update(hidden)
-        return found
+        def listing(key: str, store: DictObjects = store, hidden: dict = hidden, shown_at: int = shown_at) -> list[str]:
+            if key == fmt.step_dir(shown_at):
+                store.objects.update(hidden)
+            return DictObjects.list(store, key)
 
-    store.list = listing  # type: ignore[method-assign]
-    loader = DeltaLoader(Store(store))
-    loader.state_dict(late - 1)
-    follower = loader.follow(FollowSettings(poll_seconds=0.001, jump=False, timeout=60))
-    for step in (late, late + 1):
-        followed = next(follower)
-        assert (followed.step, followed.skipped) == (step, ())
-        assert_exact(followed, truth)
-    follower.close()
+        store.list = listing  # type: ignore[method-assign]
+        loader = DeltaLoader(Store(store))
+        loader.state_dict(late - 1)
+        follower = loader.follow(FollowSettings(poll_seconds=0.001, jump=False, timeout=60))
+        for step in (late, late + 1):
+            followed = next(follower)
+            assert (followed.step, followed.skipped) == (step, ()), (late, shown_at)
+            assert_exact(followed, truth)
+        follower.close()
 
 
 def test_a_replay_follower_takes_a_base_after_a_step_that_never_comes_as_before(small_chain):
