@@ -39,7 +39,7 @@ class ChainReader:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._complete: set[int] = set()
-        self._prev: dict[int, int | None] = {}  # steps after the last `after`: the previous step their marker names
+        self._prev: dict[int, int] = {}  # steps after the last `after`: the previous step their marker names (-1: none)
         self._ahead: dict[int, list[fmt.PartRef]] = {}  # rank 0's refs the poll read: its fetch reads no marker again
 
     def steps(self, after: int | None = None) -> list[int]:
@@ -89,7 +89,8 @@ class ChainReader:
         """
         missed: list[int] = []
         while True:
-            if step not in self._prev:  # each step's marker is read once
+            prev = self._prev.get(step)
+            if prev is None:  # each step's marker is read once
                 try:
                     refs = self.store.part_refs(step, 0, world)
                 except StoreError:
@@ -97,9 +98,8 @@ class ChainReader:
                 except DeltaError:  # a bad marker: the fetch meets it too, and says so there
                     break
                 self._ahead[step] = refs
-                self._prev[step] = next((r.prev_step for r in refs if r.kind == fmt.Kind.DELTA), None)
-            prev = self._prev[step]
-            if prev is None or prev <= after:
+                prev = self._prev[step] = next((r.prev_step for r in refs if r.prev_step is not None), -1)
+            if prev <= after:
                 break
             if prev not in self._complete and not self.store.is_complete(prev, world):
                 break
