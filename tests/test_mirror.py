@@ -1542,3 +1542,31 @@ def test_a_delta_on_a_part_of_a_step_copied_in_the_same_pass_is_copied_with_it(m
     assert metrics.mirror_step == 6 and metrics.stopped_at is None and metrics.listings == 2
     assert fmt.commit_path(4, 0, 2) in mirror.objects and fmt.commit_path(4, 1, 2) not in mirror.objects
     assert_loads(Store(mirror), truth, [1, 2, 3, 5, 6])
+
+
+def test_a_held_delta_passed_over_leaves_nothing_at_the_mirror_and_nothing_kept(monkeypatch):
+    """Step 6 never reaches the source: 7 and 8, which chain through it, are held, then passed over
+    at base 9 once 6 is lost.  Their markers are read once each, their blobs never (read after the
+    hold check, not before: review rmir51's finding 7), so the mirror holds nothing of 7 or 8, and
+    keeps nothing of them once it passed them over (before: their blobs stayed at the mirror
+    without markers, and their source markers in memory)."""
+    clock, shared, watched, _ = on_a_fake_clock(monkeypatch)
+    mirror = Recording("dict://m")
+    truth = publish(shared, 9)  # bases at 1, 5 and 9
+    for k in [k for k in shared.objects if fmt.parse_step_key(k) == 6]:
+        del shared.objects[k]
+    nine = {k: shared.objects.pop(k) for k in [k for k in shared.objects if fmt.parse_step_key(k) == 9]}
+    passed = [(s, key) for s in (7, 8) for key in (fmt.commit_path(s, 0, 1), fmt.blob_path(s, 0, 1))]
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 100.0, 130.0):  # held, then 6 lost at 130
+            assert m.sync().mirror_step == 5
+        assert {k for _, k in passed} & set(m._markers) == {fmt.commit_path(7, 0, 1), fmt.commit_path(8, 0, 1)}
+        shared.objects.update(nine)
+        clock[0] = 131.0
+        metrics = m.sync()
+        kept = set(m._markers) | m._checked
+    assert metrics.mirror_step == 9 and metrics.stopped_at is None
+    assert mirror.list(fmt.step_dir(7)) == [] and mirror.list(fmt.step_dir(8)) == []
+    assert not [k for k in kept if fmt.parse_step_key(k) < 9]
+    assert [watched.reads[k] for _, k in passed] == [1, 0, 1, 0]
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9])
