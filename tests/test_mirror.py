@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ROOT, DictObjects, assert_state, published_run, train
+from conftest import ROOT, DictObjects, assert_state, bf16_state, published_run, train
 from lightning_delta import (
     ConflictError,
     DeltaLoader,
@@ -1482,13 +1482,15 @@ def test_a_late_delta_is_not_copied_before_the_base_that_makes_retention_delete_
 
 
 def two_ranks(monkeypatch, objects: DictObjects, steps: int, skipped: int) -> dict:
-    """A two-rank chain of TinyLM's states for `steps` steps (one base, at step 1) in `objects`,
-    published in this process, where rank 1 does not publish `skipped` (its uploads fell behind:
-    `Backlog.COALESCE`), so that step is only partly at the source, and rank 1's next part applies
-    to the step before it; the true state per step.  The two ranks' publishers are made in two
-    threads, their collectives a stand-in (a barrier), then publish step after step in this one."""
+    """A two-rank chain of `steps` states of TinyLM's tensors (one base, at step 1; each step adds
+    its number, not trained: no time spent) in `objects`, published in this process, where rank 1
+    does not publish `skipped` (its uploads fell behind: `Backlog.COALESCE`), so that step is only
+    partly at the source, and rank 1's next part applies to the step before it; the true state per
+    step.  The two ranks' publishers are made in two threads, their collectives a stand-in (a
+    barrier), then publish step after step in this one."""
     torch.manual_seed(0)
-    truth = train(None, TinyLM(), steps)
+    first = bf16_state(TinyLM())
+    truth = {s: {k: v + s for k, v in first.items()} for s in range(1, steps + 1)}
     barrier, sent = threading.Barrier(2), [b"", b""]
 
     def exchange_bytes(mine: bytes, group: Any, device: torch.device) -> list[bytes]:
