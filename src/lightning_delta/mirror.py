@@ -19,7 +19,8 @@ requests (404s), not two per rank, where a listing pass costs three or more roun
 another and grows with the chain.  The source is listed at the first pass, at each pass while the
 mirror holds no step (passes then thin out as a warm-up goes on), every `list_seconds`, when the
 next step is overdue (it may have another number), after a base (the source's retention
-deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly
+deletes then), and while the mirror is stopped at damage (less often the longer it is stopped:
+each `list_seconds` after a minute or so).  Following, it sleeps until shortly
 before the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a
 request every `poll_seconds` between them; a trainer whose steps jitter is polled through its
 spread, and `late_share` trades some steps found late for fewer of those polls.  Objects are
@@ -271,6 +272,7 @@ class Mirror:
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
         self._stopped: _Stop | None = None  # why the last pass stopped, if it did
+        self._damaged_at: float | None = None  # stopped at damage: since the listing that found it
         self._listed_at: float | None = None  # when the source was last listed (None: list next)
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
         self._cadence = Cadence(late=self.settings.late_share, idle_most=_IDLE_MOST)
@@ -340,8 +342,22 @@ class Mirror:
             return replace(self.metrics)
 
     def _listing_due(self, now: float) -> bool:
-        if self._listed_at is None or not self._done or (self._stopped is not None and self._stopped.damaged):
-            return True  # the first pass, a mirror that holds nothing yet (which step is first?), damage
+        """Whether the pass begun at `now` lists the source.  Stopped at damage (a lost previous part
+        included), a listing finds the source healed or a newer base (a step found by its names is
+        the one stopped at): at the next pass, then each time as long after the last listing as the
+        mirror had been stopped then (`poll_seconds` at least, `list_seconds` at most), so that a
+        long stop costs a listing each `list_seconds`, not one each poll (review rmir51 finding 6)."""
+        if self._stopped is None or not self._stopped.damaged:
+            self._damaged_at = None
+        elif self._damaged_at is None:  # the first pass after the stop, found by the listing before
+            self._damaged_at = now if self._listed_at is None else self._listed_at  # (or a pass after it)
+            return True
+        if self._listed_at is None or not self._done:
+            return True  # the first pass, a mirror that holds nothing yet (which step is first?)
+        if self._damaged_at is not None and now - self._listed_at >= max(
+            self.settings.poll_seconds, self._listed_at - self._damaged_at
+        ):
+            return True
         if now - self._listed_at >= self.settings.list_seconds:
             return True
         usual = self._cadence.usual_gap()  # an overdue step is looked for once a usual gap at most
