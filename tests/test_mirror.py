@@ -15,14 +15,16 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from conftest import ROOT, DictObjects, assert_state, published_run, train
+from conftest import ROOT, DictObjects, assert_state, bf16_state, published_run, train
 from lightning_delta import (
     ConflictError,
     DeltaLoader,
@@ -35,6 +37,7 @@ from lightning_delta import (
     Store,
     StoreError,
 )
+from lightning_delta import claim as claim_module
 from lightning_delta import format as fmt
 from lightning_delta import mirror as mirror_module
 from lightning_delta.cadence import Cadence
@@ -1476,3 +1479,124 @@ def test_a_late_delta_is_not_copied_before_the_base_that_makes_retention_delete_
     assert metrics.mirror_step == 8 and metrics.steps_deleted == 5
     assert fmt.commit_path(6, 0, 1) not in mirror.objects
     assert_loads(Store(mirror), truth, [7, 8])
+
+
+def two_ranks(monkeypatch, objects: DictObjects, steps: int, skipped: int) -> dict:
+    """A two-rank chain of `steps` states of TinyLM's tensors (one base, at step 1; each step adds
+    its number, not trained: no time spent) in `objects`, published in this process, where rank 1
+    does not publish `skipped` (its uploads fell behind: `Backlog.COALESCE`), so that step is only
+    partly at the source, and rank 1's next part applies to the step before it; the true state per
+    step.  The two ranks' publishers are made in two threads, their collectives a stand-in (a
+    barrier), then publish step after step in this one."""
+    torch.manual_seed(0)
+    first = bf16_state(TinyLM())
+    truth = {s: {k: v + s for k, v in first.items()} for s in range(1, steps + 1)}
+    barrier, sent = threading.Barrier(2), [b"", b""]
+
+    def exchange_bytes(mine: bytes, group: Any, device: torch.device) -> list[bytes]:
+        sent[group.rank] = mine
+        barrier.wait()
+        both = list(sent)
+        barrier.wait()
+        return both
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group: group.rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(claim_module, "group_device", lambda group, device: torch.device("cpu"))
+    monkeypatch.setattr(claim_module, "exchange_bytes", exchange_bytes)
+    at = [1]
+    publishers: dict[int, DeltaPublisher] = {}
+
+    def made(rank: int) -> None:
+        group = types.SimpleNamespace(rank=rank)
+        settings = PublisherSettings(base_every=1000)
+        publishers[rank] = DeltaPublisher(Store(objects), lambda: truth[at[0]], settings, process_group=group)
+
+    threads = [threading.Thread(target=made, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with publishers[0], publishers[1]:
+        for at[0] in range(1, steps + 1):
+            for rank, publisher in sorted(publishers.items()):
+                if (rank, at[0]) != (1, skipped):
+                    publisher.publish(at[0])
+                    publisher.flush()
+    return truth
+
+
+def test_a_delta_on_a_part_of_a_step_copied_in_the_same_pass_is_copied_with_it(monkeypatch):
+    """Two ranks; rank 1 never published step 4 (a backlog it coalesced), so its 5 applies to its 3,
+    and rank 0's 5 to its 4: step 4 is never complete, and 5 and 6 load.  Mirrored to 3 before 4-6
+    came, then one listing pass copies rank 0's part of 4 and then 5, whose rank 0 part needs it (the
+    hold rule's "copied in the same pass"), and 6: every step the source serves, in that pass
+    (before: 5 held until a later pass)."""
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
+    truth = two_ranks(monkeypatch, shared, 6, skipped=4)
+    assert_loads(Store(shared), truth, [1, 2, 3, 5, 6])
+    later = {k: shared.objects.pop(k) for k in list(shared.objects) if fmt.parse_step_key(k) in (4, 5, 6)}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0, list_seconds=30.0)) as m:
+        assert m.sync().mirror_step == 3
+        shared.objects.update(later)
+        clock[0] = 30.0  # a listing
+        metrics = m.sync()
+    assert metrics.mirror_step == 6 and metrics.stopped_at is None and metrics.listings == 2
+    assert fmt.commit_path(4, 0, 2) in mirror.objects and fmt.commit_path(4, 1, 2) not in mirror.objects
+    assert_loads(Store(mirror), truth, [1, 2, 3, 5, 6])
+
+
+def test_a_held_delta_passed_over_leaves_nothing_at_the_mirror_and_nothing_kept(monkeypatch):
+    """Step 6 never reaches the source: 7 and 8, which chain through it, are held, then passed over
+    at base 9 once 6 is lost.  Their markers are read once each, their blobs never (read after the
+    hold check, not before: review rmir51's finding 7), so the mirror holds nothing of 7 or 8, and
+    keeps nothing of them once it passed them over (before: their blobs stayed at the mirror
+    without markers, and their source markers in memory)."""
+    clock, shared, watched, _ = on_a_fake_clock(monkeypatch)
+    mirror = Recording("dict://m")
+    truth = publish(shared, 9)  # bases at 1, 5 and 9
+    for k in [k for k in shared.objects if fmt.parse_step_key(k) == 6]:
+        del shared.objects[k]
+    nine = {k: shared.objects.pop(k) for k in [k for k in shared.objects if fmt.parse_step_key(k) == 9]}
+    passed = [(s, key) for s in (7, 8) for key in (fmt.commit_path(s, 0, 1), fmt.blob_path(s, 0, 1))]
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 100.0, 130.0):  # held, then 6 lost at 130
+            assert m.sync().mirror_step == 5
+        assert {k for _, k in passed} & set(m._markers) == {fmt.commit_path(7, 0, 1), fmt.commit_path(8, 0, 1)}
+        shared.objects.update(nine)
+        clock[0] = 131.0
+        metrics = m.sync()
+        kept = set(m._markers) | m._checked
+    assert metrics.mirror_step == 9 and metrics.stopped_at is None
+    assert mirror.list(fmt.step_dir(7)) == [] and mirror.list(fmt.step_dir(8)) == []
+    assert not [k for k in kept if fmt.parse_step_key(k) < 9]
+    assert [watched.reads[k] for _, k in passed] == [1, 0, 1, 0]
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9])
+
+
+def test_a_mirror_stopped_at_damage_lists_the_source_less_often_the_longer_it_is_stopped(monkeypatch):
+    """Step 6 never reaches the source: 7 and 8 are held, 6 is lost at 130 s.  Polled every second
+    from then, the mirror lists the source at the next pass, then as long after each listing as it
+    had been stopped then: 1, 2, 4, 8, 16 s and then every `list_seconds` (30), 8 listings in 100
+    polls (before: one a poll, review rmir51's finding 6, each a LIST of every held step's folder).
+    It still goes on, from base 9 once a listing finds it."""
+    clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
+    truth = publish(shared, 10)  # bases at 1, 5 and 9
+    for k in [k for k in shared.objects if fmt.parse_step_key(k) == 6]:
+        del shared.objects[k]
+    nine = {k: shared.objects.pop(k) for k in [k for k in shared.objects if fmt.parse_step_key(k) in (9, 10)]}
+    with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
+        for clock[0] in (0.0, 130.0):  # lost at 130
+            assert m.sync().stopped_at == f"dict://home/{fmt.commit_path(6, 0, 1)}"
+        listed = {}
+        for clock[0] in range(131, 231):
+            before = m.metrics.listings
+            assert m.sync().mirror_step == 5
+            listed[clock[0]] = m.metrics.listings - before
+        assert [t - 130 for t, n in listed.items() if n] == [1, 2, 4, 8, 16, 32, 62, 92]
+        shared.objects.update(nine)  # found at the next listing, at 252 (30 s after 222)
+        for clock[0] in range(231, 253):
+            metrics = m.sync()
+            assert metrics.mirror_step == (10 if clock[0] >= 252 else 5)
+    assert metrics.stopped_at is None
+    assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9, 10])

@@ -19,7 +19,8 @@ requests (404s), not two per rank, where a listing pass costs three or more roun
 another and grows with the chain.  The source is listed at the first pass, at each pass while the
 mirror holds no step (passes then thin out as a warm-up goes on), every `list_seconds`, when the
 next step is overdue (it may have another number), after a base (the source's retention
-deletes then), and while the mirror is stopped at damage.  Following, it sleeps until shortly
+deletes then), and while the mirror is stopped at damage (less often the longer it is stopped:
+each `list_seconds` after a minute or so).  Following, it sleeps until shortly
 before the next step is due (`cadence`), so a fine `poll_seconds` finds steps sooner without a
 request every `poll_seconds` between them; a trainer whose steps jitter is polled through its
 spread, and `late_share` trades some steps found late for fewer of those polls.  Objects are
@@ -33,7 +34,9 @@ late ones too, until the mirror restarts and lists them again); a damaged bridge
 and its base copied without it (and the bridge after it, if it heals while that base is the newest
 copied and the mirror has not restarted).  A blob whose marker is there but which is not (a
 replicated source), or the previous part a delta applies to, is waited for, `missing_after`
-seconds at most: then it is damage.
+seconds at most: then it is damage.  A step held for its previous part has no blob read or
+written until that part is there (its markers are read first): passed over, it leaves nothing at
+the mirror.
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -194,6 +197,18 @@ class _Part(NamedTuple):
         """The marker's name in its step's folder (what a listing of the folder gives)."""
         return self.marker_key.rsplit("/", 1)[1]
 
+    @property
+    def blob_name(self) -> str:
+        return self.blob_key.rsplit("/", 1)[1]
+
+
+class _Read(NamedTuple):
+    """A part's marker, read from the source and checked (given trusted keys); its blob not yet."""
+
+    part: _Part
+    data: bytes
+    marker: fmt.CommitMarker
+
 
 class _Ready(NamedTuple):
     """A part whose blob is at the mirror, checked; its marker still to write (unless `there`)."""
@@ -257,6 +272,7 @@ class Mirror:
         self._heartbeat: bytes | None = None  # the heartbeat relayed last
         self._known: set[int] = set()  # steps complete at the source, as last seen
         self._stopped: _Stop | None = None  # why the last pass stopped, if it did
+        self._damaged_at: float | None = None  # stopped at damage: since the listing that found it
         self._listed_at: float | None = None  # when the source was last listed (None: list next)
         self._stride = 1  # the gap between the chain's steps: the next step is the newest + this
         self._cadence = Cadence(late=self.settings.late_share, idle_most=_IDLE_MOST)
@@ -326,8 +342,22 @@ class Mirror:
             return replace(self.metrics)
 
     def _listing_due(self, now: float) -> bool:
-        if self._listed_at is None or not self._done or (self._stopped is not None and self._stopped.damaged):
-            return True  # the first pass, a mirror that holds nothing yet (which step is first?), damage
+        """Whether the pass begun at `now` lists the source.  Stopped at damage (a lost previous part
+        included), a listing finds the source healed or a newer base (a step found by its names is
+        the one stopped at): at the next pass, then each time as long after the last listing as the
+        mirror had been stopped then (`poll_seconds` at least, `list_seconds` at most), so that a
+        long stop costs a listing each `list_seconds`, not one each poll (review rmir51 finding 6)."""
+        if self._stopped is None or not self._stopped.damaged:
+            self._damaged_at = None
+        elif self._damaged_at is None:  # the first pass after the stop, found by the listing before
+            self._damaged_at = now if self._listed_at is None else self._listed_at  # (or a pass after it)
+            return True
+        if self._listed_at is None or not self._done:
+            return True  # the first pass, a mirror that holds nothing yet (which step is first?)
+        if self._damaged_at is not None and now - self._listed_at >= max(
+            self.settings.poll_seconds, self._listed_at - self._damaged_at
+        ):
+            return True
         if now - self._listed_at >= self.settings.list_seconds:
             return True
         usual = self._cadence.usual_gap()  # an overdue step is looked for once a usual gap at most
@@ -443,6 +473,7 @@ class Mirror:
         stopped, mirrored_base = self._copy(pending, names, complete, world)
         self._heal_bridges(earlier & self._left_out)  # not those a newer base copied made useless
         self._retain(listed, mirrored_base)
+        self._forget(set(names))
         self._relay_heartbeat()
         newest = sorted(complete | (self._done & set(listed)))
         if len(newest) >= 2:
@@ -452,6 +483,17 @@ class Mirror:
         self._known = set(newest)
         self._stopped = stopped
         self._update(stopped)
+
+    def _forget(self, steps: set[int]) -> None:
+        """Drop the source markers kept and the objects known checked of every step but `steps`
+        (those a listing found to copy) not mirrored and not below the line the mirror passes over
+        from: a step passed over, or deleted at the source, is never copied, so its entries would
+        stay for good (a step mirrored drops its own as it completes)."""
+        floor = max(self._skip_below, self._floor or 0)
+        keep = {s for s in steps if s >= floor and s not in self._done}
+        with self._lock:
+            self._markers = {k: v for k, v in self._markers.items() if fmt.parse_step_key(k) in keep}
+            self._checked = {k for k in self._checked if fmt.parse_step_key(k) in keep}
 
     def _claim(self) -> int | None:
         """Copy the run-level objects; the run's world size, or None while the source has no run.
@@ -571,17 +613,29 @@ class Mirror:
         self, pending: list[int], names: dict[int, list[_Part]], complete: set[int], world: int
     ) -> tuple[_Stop | None, bool]:
         """Copy the pending steps' blobs concurrently, then their markers step after step; the
-        reason the mirror stopped, if it did, and whether it mirrored a base step."""
+        reason the mirror stopped, if it did, and whether it mirrored a base step.  Every marker is
+        read first (at once), so that a step the hold rule holds (`_held`) has none of its blobs
+        read or written: if it were passed over, they would stay at the mirror without markers."""
         at_mirror = {s: set(self.destination.objects.list(fmt.step_dir(s))) for s in pending}
-        futures = {s: [self._pool.submit(self._prepare, p, at_mirror[s]) for p in names[s]] for s in pending}
+        read = {p: self._pool.submit(self._marker, p) for s in pending for p in names[s]}
+        held = self._held(pending, names, {p: r.result() for p, r in read.items()}, at_mirror)
+        futures = {
+            s: [self._pool.submit(self._put, read[p].result(), at_mirror[s]) for p in names[s]]
+            for s in pending
+            if s not in held
+        }
         stopped: _Stop | None = None
         stopped_step = 0
         mirrored_base = False
         newest = max(self._done, default=0)
         for step in pending:
-            outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
-            ready = [o for o in outcomes if isinstance(o, _Ready)]
-            stop = next((o for o in outcomes if isinstance(o, _Stop)), None) or self._unchained(ready, at_mirror)
+            ready: list[_Ready] = []
+            stop = held.get(step)
+            if stop is None:
+                outcomes = [self._unbridged(p, f.result()) for p, f in zip(names[step], futures[step], strict=True)]
+                ready = [o for o in outcomes if isinstance(o, _Ready)]
+                stop = next((o for o in outcomes if isinstance(o, _Stop)), None)
+                stop = stop or self._unchained([(o.part, o.prev) for o in ready], at_mirror)
             if stopped is not None and stopped_step < self._below <= step:  # the mirror's base needs nothing below it
                 if stopped.damaged:  # passed over for good, as a running mirror does at a newer base
                     self._skip_below = max(self._skip_below, self._below)
@@ -629,26 +683,56 @@ class Mirror:
             stopped = None  # the mirror serves: it holds nothing back (copied when it comes, at a listing)
         return stopped, mirrored_base
 
-    def _unchained(self, ready: list[_Ready], at_mirror: dict[int, set[str]]) -> _Stop | None:
-        """Why a step whose parts are ready is held: a delta part whose previous part (the same
-        rank's, at its `prev_step`) is neither at the mirror nor copied in this pass (a source that
-        fills out of order), or is below what the mirror's retention keeps, so that every step
-        listed at the mirror loads.  That part is missing as a blob whose marker the source holds
+    def _held(
+        self,
+        pending: list[int],
+        names: dict[int, list[_Part]],
+        read: dict[_Part, _Read | _Stop],
+        at_mirror: dict[int, set[str]],
+    ) -> dict[int, _Stop]:
+        """The pending steps the hold rule holds (`_unchained`), and why, told from their markers
+        (`read`) before any blob is read: a step counts as copied in this pass unless a marker of
+        it could not be read (a damaged bridge aside: its base is copied without it) or it is held.
+        It may still stop at a blob, after which `_copy` holds the steps that chain through it."""
+        coming: dict[int, set[str]] = {}  # the marker names of the steps the pass may copy
+        held = {}
+        for step in pending:
+            found = [(p, read[p]) for p in names[step]]
+            stop = self._unchained(
+                [(p, r.marker.prev_step) for p, r in found if isinstance(r, _Read)], at_mirror, coming
+            )
+            if stop is not None:
+                held[step] = stop
+            elif all(isinstance(r, _Read) or (p.bridge and r.damaged) for p, r in found):
+                coming[step] = {p.marker_name for p, r in found if isinstance(r, _Read)}
+        return held
+
+    def _unchained(
+        self,
+        parts: list[tuple[_Part, int | None]],
+        at_mirror: dict[int, set[str]],
+        coming: Mapping[int, set[str]] | None = None,
+    ) -> _Stop | None:
+        """Why a step whose parts (each with the step its delta applies to) are ready is held: a
+        delta part whose previous part (the same rank's, at its `prev_step`) is neither at the
+        mirror nor copied in this pass (in `at_mirror`, or `coming`: a source that fills out of
+        order), or is below what the mirror's retention keeps, so that every step listed at the
+        mirror loads.  That part is missing as a blob whose marker the source holds
         is (`MirrorSettings.missing_after`), on the same clock.
         Following the source's retention, a part below the source's oldest step is deleted at the
         mirror once it holds a newer base, which the source holds and the mirror copies (in this
         pass or a later one).  With `keep_bases`, no delta the mirror lists applies to a step below
         its cutoff (a base at or above it comes between)."""
         kept = self._oldest if self.settings.keep_bases is None else 0
-        for o in ready:
-            if o.part.bridge or o.prev is None or (o.prev in self._done and o.prev >= kept):
+        for part, prev_step in parts:
+            if part.bridge or prev_step is None or (prev_step in self._done and prev_step >= kept):
                 continue
-            prev = _Part(o.prev, o.part.rank, o.part.world_size, False)
-            if o.prev < kept:  # at the mirror maybe, but its retention deletes it (`_retain`)
+            prev = _Part(prev_step, part.rank, part.world_size, False)
+            if prev_step < kept:  # at the mirror maybe, but its retention deletes it (`_retain`)
                 return self._not_there(prev.marker_key)
-            if o.prev not in at_mirror:  # not pending in this pass: what the mirror holds of it
-                at_mirror[o.prev] = set(self.destination.objects.list(fmt.step_dir(o.prev)))
-            if prev.marker_name not in at_mirror[o.prev]:
+            if prev_step not in at_mirror:  # not pending in this pass: what the mirror holds of it
+                at_mirror[prev_step] = set(self.destination.objects.list(fmt.step_dir(prev_step)))
+            if prev.marker_name not in at_mirror[prev_step] | (coming or {}).get(prev_step, set()):
                 return self._not_there(prev.marker_key)
         return None
 
@@ -688,8 +772,12 @@ class Mirror:
                 log.info("%s: %s/%s is good now, and copied", self, self.source.url, part.blob_key)
 
     def _prepare(self, part: _Part, at_mirror: set[str]) -> _Ready | _Stop:
-        """Read `part`'s marker, and put its blob at the mirror, checked first (a thread's job)."""
-        marker_name, blob_name = (k.rsplit("/", 1)[1] for k in (part.marker_key, part.blob_key))
+        """Read `part`'s marker, and put its blob at the mirror, checked first."""
+        return self._put(self._marker(part), at_mirror)
+
+    def _marker(self, part: _Part) -> _Read | _Stop:
+        """`part`'s marker from the source (read once: kept until its step is mirrored), checked
+        (a thread's job)."""
         with self._lock:
             data = self._markers.get(part.marker_key)
         if data is None:
@@ -708,14 +796,23 @@ class Mirror:
             self._markers[part.marker_key] = data
             if marker.kind == fmt.Kind.DELTA and not part.bridge:  # a base read ahead is cut at a delta's size
                 self._largest[part.rank] = max(marker.size, self._largest.get(part.rank, 0))
+        return _Read(part, data, marker)
+
+    def _put(self, read: _Read | _Stop, at_mirror: set[str]) -> _Ready | _Stop:
+        """Put the blob of a part whose marker was read at the mirror, checked against the marker
+        first (a thread's job); a part whose marker could not be read stays where it stopped."""
+        if isinstance(read, _Stop):
+            return read
+        part, data, marker = read
+        with self._lock:
             checked = part.blob_key in self._checked
             there = part.marker_key in self._checked
-        if there or marker_name in at_mirror:  # by commit order its blob was written and checked first
+        if there or part.marker_name in at_mirror:  # by commit order its blob was written and checked first
             if not there:
                 self._same(part.marker_key, data)
             return _Ready(part, data, marker.kind, marker.prev_step, there=True)
         if not checked:
-            if blob_name in at_mirror:
+            if part.blob_name in at_mirror:
                 self._check_copy(part.blob_key, marker)
             else:
                 blob = self._blob(part, marker)
