@@ -1574,19 +1574,28 @@ def test_a_held_delta_passed_over_leaves_nothing_at_the_mirror_and_nothing_kept(
     assert_loads(Store(mirror), truth, [1, 2, 3, 4, 5, 9])
 
 
-def test_a_mirror_stopped_at_damage_lists_the_source_less_often_the_longer_it_is_stopped(monkeypatch):
+@pytest.mark.parametrize("rhythm", [False, True])
+def test_a_mirror_stopped_at_damage_lists_the_source_less_often_the_longer_it_is_stopped(monkeypatch, rhythm):
     """Step 6 never reaches the source: 7 and 8 are held, 6 is lost at 130 s.  Polled every second
     from then, the mirror lists the source at the next pass, then as long after each listing as it
     had been stopped then: 1, 2, 4, 8, 16 s and then every `list_seconds` (30), 8 listings in 100
-    polls (before: one a poll, review rmir51's finding 6, each a LIST of every held step's folder).
-    It still goes on, from base 9 once a listing finds it."""
+    polls (before: one a poll, review rmir51's finding 6, each a LIST of every held step's folder),
+    also after steps found by their names a second apart (a rhythm, whose next step is overdue all
+    along: review rmir52's finding 1, one listing a poll again).  It still goes on, from base 9
+    once a listing finds it."""
     clock, shared, watched, mirror = on_a_fake_clock(monkeypatch)
     truth = publish(shared, 10)  # bases at 1, 5 and 9
     for k in [k for k in shared.objects if fmt.parse_step_key(k) == 6]:
         del shared.objects[k]
     nine = {k: shared.objects.pop(k) for k in [k for k in shared.objects if fmt.parse_step_key(k) in (9, 10)]}
+    later = {k: shared.objects.pop(k) for k in [k for k in shared.objects if fmt.parse_step_key(k) in (3, 4, 5)]}
     with Mirror(Store(watched), Store(mirror), MirrorSettings(missing_after=120.0)) as m:
-        for clock[0] in (0.0, 130.0):  # lost at 130
+        for step in (3, 4, 5):  # found by names at 7, 8 and 9 s (after 7 and 8 are held from 0 on), or listed at 0
+            if rhythm:
+                clock[0] = step + 4.0
+                m.sync()
+            shared.objects.update({k: v for k, v in later.items() if fmt.parse_step_key(k) == step})
+        for clock[0] in (0.0, 130.0) if not rhythm else (10.0, 130.0):  # lost at 130
             assert m.sync().stopped_at == f"dict://home/{fmt.commit_path(6, 0, 1)}"
         listed = {}
         for clock[0] in range(131, 231):

@@ -36,7 +36,8 @@ copied and the mirror has not restarted).  A blob whose marker is there but whic
 replicated source), or the previous part a delta applies to, is waited for, `missing_after`
 seconds at most: then it is damage.  A step held for its previous part has no blob read or
 written until that part is there (its markers are read first): passed over, it leaves nothing at
-the mirror.
+the mirror (the steps after one stopped at its own blob have theirs copied: passed over, those
+stay without markers).
 
 A mirror needs no key: it copies the trainer's signatures with the objects they sign, and a
 region's followers check them against the trainer's key.  Given trusted keys, a mirror also refuses
@@ -354,14 +355,14 @@ class Mirror:
             return True
         if self._listed_at is None or not self._done:
             return True  # the first pass, a mirror that holds nothing yet (which step is first?)
-        if self._damaged_at is not None and now - self._listed_at >= max(
-            self.settings.poll_seconds, self._listed_at - self._damaged_at
-        ):
-            return True
-        if now - self._listed_at >= self.settings.list_seconds:
+        since = now - self._listed_at
+        if self._damaged_at is not None:  # stopped, no step comes: the cadence's overdue rule would list each usual gap
+            stopped = max(self.settings.poll_seconds, self._listed_at - self._damaged_at)
+            return since >= min(stopped, self.settings.list_seconds)
+        if since >= self.settings.list_seconds:
             return True
         usual = self._cadence.usual_gap()  # an overdue step is looked for once a usual gap at most
-        return self._cadence.overdue(now) and (usual is None or now - self._listed_at >= usual)
+        return self._cadence.overdue(now) and (usual is None or since >= usual)
 
     def _probe(self, world: int, now: float) -> None:
         """A pass by names (begun at `now`): the step expected next, and the ones after it while
