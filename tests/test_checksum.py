@@ -140,3 +140,27 @@ def test_hex_spelling_round_trips():
     for bad in ["", "1234", "0123456789ABCDEF", "0123456789abcdeg", "XX0123456789abcd"]:
         with pytest.raises(ValueError, match="not a 16-digit hex checksum"):
             parse_checksum(bad)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_positions_of_any_integer_dtype_key_the_definition_and_a_short_index_is_refused(path):
+    """Keys are int64 whatever the index's dtype (an int32 index once wrapped i * 2**16 past
+    32,767); an index of another length than the values, or positions past 2**47, are refused
+    (the compiled pass would read past the index, or wrap)."""
+    bits = torch.randint(-32768, 32767, (40_000,), dtype=torch.int16)
+    expected = reference([b & 0xFFFF for b in bits.tolist()])
+    with hashed_by(path):
+        assert checksum_at(bits, torch.arange(40_000, dtype=torch.int32)) == expected
+        new = bits.clone()
+        new[39_999] += 1
+        at = torch.tensor([39_999], dtype=torch.int32)
+        assert checksum_update(expected, at, bits[at.long()], new[at.long()]) == checksum(new)
+        with pytest.raises(
+            ValueError, match=r"^40000 elements need 40000 positions, got an index of shape \(39999,\)$"
+        ):
+            checksum_at(bits, torch.arange(39_999))
+        with pytest.raises(ValueError, match=r"outside the checksum's 0\.\.2\*\*47"):
+            checksum(bits, (1 << 47) - 40_000)
+        last = checksum(bits[:1], (1 << 47) - 2)  # the last position there is
+    with hashed_by("torch" if path == "compiled" else "compiled"):
+        assert checksum(bits[:1], (1 << 47) - 2) == last

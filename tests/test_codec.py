@@ -1093,3 +1093,18 @@ def test_a_raw_payload_decodes_bit_exactly_by_either_pass(compiled, dtype, bits,
     assert bitwise_equal(got, new)
     if strided:
         assert got.data_ptr() == out.data_ptr() and bitwise_equal(out, new)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_out_of_another_shape_is_refused_before_anything_is_written(compiled):
+    """The compiled pass writes `out` unchecked: one longer than the payload, or 2-D, is refused
+    (review rrd52: it was written past the planes, or one value a row)."""
+    payload = codec.encode(None, torch.randn(64).to(torch.bfloat16))
+    cpu = torch.device("cpu")
+    for out in (torch.zeros(65, dtype=torch.bfloat16), torch.zeros(64, 1, dtype=torch.bfloat16)):
+        with (
+            mock.patch.object(decoder, "_COMPILED_FROM", 0 if compiled else 1 << 62),
+            pytest.raises(ValueError, match=r"^out must have shape \(64,\), got \((65,|64, 1)\)$"),
+        ):
+            decoder.decode_steps(payload, numel=64, dtype=torch.bfloat16, device=cpu, exponents=None, out=out)
+        assert not out.any()

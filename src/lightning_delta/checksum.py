@@ -31,6 +31,7 @@ _CHUNK = 1 << 18
 allocated once and stay in cache; fresh 32 MiB temporaries per chunk cost ten times as much, in
 page faults."""
 _CUDA_CHUNK = 1 << 22  # no page faults there, but each chunk is ten kernel launches
+_MAX_POSITION = 1 << 47  # i * 2**16 + u fits an int64 below it (and so does the end of torch's range)
 _COMPILED_FROM = 1 << 16
 """Elements from which a CPU tensor is hashed by the compiled pass: below it torch's passes are
 cheap, and a process that hashes only small changes never imports numba."""
@@ -43,6 +44,12 @@ def _mix_sums(rows: Tensor, index: Tensor | None = None, offset: int = 0) -> lis
     one pass."""
     count, n = rows.shape
     device = rows.device
+    if index is not None:  # keys are int64, whatever the positions' dtype (review rrd52 finding 2)
+        if index.shape != (n,):
+            raise ValueError(f"{n} elements need {n} positions, got an index of shape {tuple(index.shape)}")
+        index = index.to(torch.int64)
+    elif offset < 0 or offset + n >= _MAX_POSITION:
+        raise ValueError(f"positions {offset}..{offset + n} are outside the checksum's 0..2**47")
     if device.type == "cpu" and count * n >= _COMPILED_FROM:
         sums = np.zeros(count, dtype=np.int64)
         positions = np.empty(0, dtype=np.int64) if index is None else index.detach().numpy()
@@ -70,16 +77,19 @@ def _mix_sums(rows: Tensor, index: Tensor | None = None, offset: int = 0) -> lis
 
 
 def _compiled_mix_sums(rows: np.ndarray, index: np.ndarray, indexed: bool, offset: int, total: np.ndarray) -> None:
-    """`_mix_sums` on the CPU in one pass, into `total` (wrapping int64 arithmetic, as torch's)."""
+    """`_mix_sums` on the CPU in one pass, into `total`.  Adds and multiplies in uint64, which
+    wrap by definition (numba marks int64 ones no-signed-wrap, which LLVM may assume); only the
+    arithmetic shifts in int64, as the definition has them."""
+    k1, k2 = np.uint64(_K1 & _MASK64), np.uint64(_K2 & _MASK64)
     for r in range(rows.shape[0]):
-        s = np.int64(0)
+        s = np.uint64(0)
         for j in range(rows.shape[1]):
-            key = np.int64(index[j]) if indexed else np.int64(offset + j)
-            x = ((key << 16) + (np.int64(rows[r, j]) & 0xFFFF)) * np.int64(_K1)
-            x ^= x >> 32
-            x = x * np.int64(_K2)
-            s += x ^ (x >> 29)
-        total[r] = s
+            key = np.uint64(index[j]) if indexed else np.uint64(offset + j)
+            x = ((key << np.uint64(16)) + np.uint64(np.uint16(rows[r, j]))) * k1
+            x ^= np.uint64(np.int64(x) >> np.int64(32))
+            x = x * k2
+            s += x ^ np.uint64(np.int64(x) >> np.int64(29))
+        total[r] = np.int64(s)
 
 
 @functools.cache

@@ -167,12 +167,12 @@ def iter_steps(
         raise FormatError(f"tensor payload is {packed.dtype}, expected {dtype}")
     sections = [s.to(device) for s in packed.sections]
     if packed.mode == Mode.RAW:
+        if out is not None and out.shape != (numel,):  # the compiled pass writes `out` unchecked
+            raise ValueError(f"out must have shape ({numel},), got {tuple(out.shape)}")
         whole = _empty(numel, dtype, device) if out is None else out
         exponent = packed.values == ValueCoding.EXPONENT
-        if device.type == "cpu" and numel >= _COMPILED_FROM:
+        if device.type == "cpu" and numel >= _COMPILED_FROM:  # `parse` sized both planes to `numel`
             first, second = (section.numpy() for section in sections)
-            if len(first) != numel or len(second) != numel:  # `parse` sizes them; the kernel reads unchecked
-                raise FormatError(f"a RAW payload of {numel} elements has planes of {len(first)} and {len(second)}")
             _assemble()(first, second, exponent, whole.detach().view(torch.int16).numpy())
         elif exponent:
             exponent_bits, sign_mantissa = sections[0].to(torch.int16), sections[1].to(torch.int16)

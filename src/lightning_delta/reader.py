@@ -71,8 +71,9 @@ class ChainReader:
         found = [s for s in listed if s in self._complete]
         if after is None or not found:
             return found
-        self._prev = {s: prev for s, prev in self._prev.items() if s > after}
-        self._ahead = {s: refs for s, refs in self._ahead.items() if s > after}
+        # copies first: another thread's poll may be adding to them (review rrd52 finding 1)
+        self._prev = {s: prev for s, prev in list(self._prev.items()) if s > after}
+        self._ahead = {s: refs for s, refs in list(self._ahead.items()) if s > after}
         return sorted(found + self._close(found[0], after, run.world_size))
 
     def _close(self, step: int, after: int, world: int) -> list[int]:
@@ -93,9 +94,11 @@ class ChainReader:
             if prev is None:  # each step's marker is read once
                 try:
                     refs = self.store.part_refs(step, 0, world)
-                except StoreError:
+                except StoreError:  # the store failing is the poll's error, not the step's
                     raise
                 except DeltaError:  # a bad marker: the fetch meets it too, and says so there
+                    break
+                if not refs:  # gone since the listing (or not there yet): looked at again next poll
                     break
                 self._ahead[step] = refs
                 prev = self._prev[step] = next((r.prev_step for r in refs if r.prev_step is not None), -1)
