@@ -300,20 +300,14 @@ def test_a_poll_lists_one_block_however_long_the_run(store_url):
 
 
 def test_replay_hands_out_every_complete_step_in_order(store_url):
-    """And reads each commit marker once: the poll's look at the next step's previous step (see
-    `ChainReader._close`) reads the marker its fetch then takes, the bases' bridges included."""
     trainer = Trainer(store_url, base_every=4)
     trainer.steps(9)
-    reads: list[str] = []
-    loader = DeltaLoader(Store(HookedObjects(store_url, before_read=reads.append)))
     seen = []
-    for followed in until(loader.follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120)), 9):
+    for followed in until(DeltaLoader(store_url).follow(FollowSettings(poll_seconds=0.01, jump=False, timeout=120)), 9):
         assert_exact(followed, trainer.truth)  # its tensors, taken before the next step
         seen.append(followed)
     assert [f.step for f in seen] == list(range(1, 10))
     assert [f.behind for f in seen] == list(range(8, -1, -1))
-    markers = [k for k in reads if k.endswith(".commit")]
-    assert len(markers) == len(set(markers)) == 12  # 9 steps, the bridges at 5 and 9, a look for one at 1
     trainer.publisher.close()
 
 
@@ -534,52 +528,3 @@ def test_steps_newer_than_a_hole_are_tried_as_soon_as_an_older_one_is_taken(smal
     assert second.step == 9 and listings[0] == 2  # the steps listed, and those after 9 (none): no pause between
     assert_exact(second, truth)
     follower.close()
-
-
-def test_a_replay_follower_hands_out_a_step_whose_folder_appears_after_the_next_ones(small_chain):
-    """Step `late`'s folder appears during a poll, after the block's listing (a mirror writing
-    several steps' blobs at once, a replicated bucket), with the markers of the steps after it (in
-    commit order): when the poll looks into step `shown_at` (newest first).  A replay follower
-    holding `late - 1` is handed `late`, then the next step (before: the next step,
-    through `late`'s part or from its base, and never `late`).  The next step's marker names `late`
-    as its previous step (a delta's own, a base's bridge's), so the poll looks at `late` directly.
-    Every place of the gap in the chain (bases at 1, 4 and 7), shown at the next step or the newest."""
-    objects, truth = small_chain
-    for late, shown_at in [(k, m) for k in range(2, 9) for m in sorted({k + 1, 9})]:
-        hidden = {
-            k: v
-            for k, v in objects.items()
-            if fmt.parse_step_key(k) == late or (k.endswith(".commit") and (fmt.parse_step_key(k) or 0) > late)
-        }
-        store = DictObjects()
-        store.objects = {k: v for k, v in objects.items() if k not in hidden}
-
-        def listing(key: str, store: DictObjects = store, hidden: dict = hidden, shown_at: int = shown_at) -> list[str]:
-            if key == fmt.step_dir(shown_at):
-                store.objects.update(hidden)
-            return DictObjects.list(store, key)
-
-        store.list = listing  # type: ignore[method-assign]
-        loader = DeltaLoader(Store(store))
-        loader.state_dict(late - 1)
-        follower = loader.follow(FollowSettings(poll_seconds=0.001, jump=False, timeout=60))
-        for step in (late, late + 1):
-            followed = next(follower)
-            assert (followed.step, followed.skipped) == (step, ()), (late, shown_at)
-            assert_exact(followed, truth)
-        follower.close()
-
-
-def test_a_replay_follower_takes_a_base_after_a_step_that_never_comes_as_before(small_chain):
-    """Step 6 never there (lost, a real hole): the poll looks at it once a poll, finds it missing
-    and returns 7 as before; the follower holding 5 takes 7 from its base, then 8 and 9."""
-    objects, truth = small_chain
-    store = DictObjects()
-    store.objects = {k: v for k, v in objects.items() if fmt.parse_step_key(k) != 6}
-    loader = DeltaLoader(Store(store))
-    loader.state_dict(5)
-    seen = []
-    for followed in until(loader.follow(FollowSettings(poll_seconds=0.001, jump=False, timeout=60)), 9):
-        assert_exact(followed, truth)
-        seen.append((followed.step, followed.skipped))
-    assert seen == [(7, ()), (8, ()), (9, ())]

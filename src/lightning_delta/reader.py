@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from .errors import ChainError, ChecksumError, DeltaError, FormatError, MissingObjectError, StoreError
+from .errors import ChainError, ChecksumError, FormatError, MissingObjectError
 from .paths import cheapest_path
 from .store import Store
 
@@ -39,16 +39,12 @@ class ChainReader:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._complete: set[int] = set()
-        self._prev: dict[int, int] = {}  # steps after the last `after`: the previous step their marker names (-1: none)
-        self._ahead: dict[int, list[fmt.PartRef]] = {}  # rank 0's refs the poll read: its fetch reads no marker again
 
     def steps(self, after: int | None = None) -> list[int]:
         """Complete steps, ascending; with `after`, only later ones.
 
         A poll lists the step folders and looks into only those not yet seen complete; with
-        `after` it lists only the blocks from `after`'s on (see `Store.published_steps`), and the
-        oldest step returned has its previous step returned too or at most `after` wherever that
-        step is complete (`_close`): a replay takes the steps one by one and never skips one.
+        `after` it lists only the blocks from `after`'s on (see `Store.published_steps`).
         """
         listed = self.store.published_steps(after)
         run = self.store.manifest()
@@ -68,48 +64,7 @@ class ChainReader:
         for step in reversed(listed):
             if step not in self._complete and self.store.is_complete(step, run.world_size):
                 self._complete.add(step)
-        found = [s for s in listed if s in self._complete]
-        if after is None or not found:
-            return found
-        # copies first: another thread's poll may be adding to them (review rrd52 finding 1)
-        self._prev = {s: prev for s, prev in list(self._prev.items()) if s > after}
-        self._ahead = {s: refs for s, refs in list(self._ahead.items()) if s > after}
-        return sorted(found + self._close(found[0], after, run.world_size))
-
-    def _close(self, step: int, after: int, world: int) -> list[int]:
-        """The complete steps between `after` and `step` that the listing missed, found by the chain.
-
-        A step's folder can appear after a newer step's (a mirror writes several steps' blobs at
-        once, a replicated bucket in any order), so a listing may miss a step that is complete by
-        the time a newer one is looked into.  `step`'s rank-0 marker names its previous step (a
-        base's bridge does); one not complete here is looked at directly, and so on down.  The
-        markers read are kept for the fetch, so following in sync reads none twice; only a step
-        missed costs more (a listing of its folder and its marker, which its fetch takes).  A
-        previous step not there (yet) is left to the fetch, which meets it as a hole, as before
-        (`MissingObjectError`), and looked at again at each poll until it comes.
-        """
-        missed: list[int] = []
-        while True:
-            prev = self._prev.get(step)
-            if prev is None:  # each step's marker is read once
-                try:
-                    refs = self.store.part_refs(step, 0, world)
-                except StoreError:  # the store failing is the poll's error, not the step's
-                    raise
-                except DeltaError:  # a bad marker: the fetch meets it too, and says so there
-                    break
-                if not refs:  # gone since the listing (or not there yet): looked at again next poll
-                    break
-                self._ahead[step] = refs
-                prev = self._prev[step] = next((r.prev_step for r in refs if r.prev_step is not None), -1)
-            if prev <= after:
-                break
-            if prev not in self._complete and not self.store.is_complete(prev, world):
-                break
-            self._complete.add(prev)
-            missed.append(prev)
-            step = prev
-        return missed
+        return [s for s in listed if s in self._complete]
 
     def is_complete(self, step: int) -> bool:
         run = self.store.manifest()
@@ -135,8 +90,7 @@ class ChainReader:
         holes: list[int] = []
 
         def parts_at(at: int) -> list[fmt.PartRef]:
-            ahead = self._ahead.pop(at, None) if rank == 0 else None
-            refs = ahead if ahead is not None else self.store.part_refs(at, rank, world)
+            refs = self.store.part_refs(at, rank, world)
             if not refs:
                 holes.append(at)
             return refs
