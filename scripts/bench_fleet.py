@@ -915,7 +915,9 @@ def run_phase(
 
         stack.callback(stop_all)
         began = time.time()
-        starting = 900 if args.vllm_region else 120  # engines start in minutes on this shared machine
+        # a bound against a hang, not a speed: engines start in minutes on a shared machine, and module
+        # regions too where numba compiles their kernels cold (a clean clone: 120 s timed out in a CI run)
+        starting = 900
         wait_for(lambda: all((work / f"ready.{link.region}").exists() for link in link_list), starting, "regions ready")
         ready = time.time()
         steps = list(range(1, len(files) + 1))
