@@ -200,6 +200,7 @@ class _Part(NamedTuple):
 
     @property
     def blob_name(self) -> str:
+        """The blob's name in its step's folder."""
         return self.blob_key.rsplit("/", 1)[1]
 
 
